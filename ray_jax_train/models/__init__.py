@@ -1,0 +1,16 @@
+"""Model zoo: Llama-family causal LMs in Flax NNX and Hugging Face checkpoint conversion."""
+from ray_jax_train.models.llama import (
+    LlamaForCausalLM,
+    count_params,
+    create_model,
+    flops_per_token,
+    num_params,
+)
+
+__all__ = [
+    "LlamaForCausalLM",
+    "count_params",
+    "create_model",
+    "flops_per_token",
+    "num_params",
+]

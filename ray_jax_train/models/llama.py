@@ -1,0 +1,292 @@
+"""A Llama-family causal LM (Llama, Mistral, Qwen2) in Flax NNX.
+
+Parameter paths mirror Hugging Face names (``embed_tokens``, ``layers[i].self_attn.q_proj``,
+``layers[i].mlp.gate_proj``, ``input_layernorm``, ``norm``, ``lm_head``) and every projection is an
+unfused 2-D ``[in, out]`` kernel, so checkpoint conversion is a rename plus transpose and sharding rules
+can be written as regexes over these paths.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ray_jax_train.config import LlamaConfig
+
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "LlamaForCausalLM",
+    "MLP",
+    "RMSNorm",
+    "count_params",
+    "create_model",
+    "flops_per_token",
+    "make_attention_mask",
+    "num_params",
+    "positions_from_mask",
+    "positions_from_segments",
+    "rope_inv_freq",
+]
+
+# Finite instead of -inf so that rows with no visible key (pad queries under left padding) softmax to a
+# harmless uniform distribution rather than NaN, which would poison gradients through the whole batch.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 (as HF does) and scaled by a learnt ``weight``."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: Any, param_dtype: Any):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * y
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim/2], including Llama-3 frequency scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    rs = config.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def _rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray):
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, s, d/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [b, s, 1, d]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # HF's rotate-half layout (first half / second half), not interleaved pairs, so HF weights need no permutation.
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Positions that skip padding (cumsum of the mask - 1), as HF generation computes them."""
+    mask = attention_mask.astype(jnp.int32)
+    pos = jnp.cumsum(mask, axis=-1) - 1
+    return jnp.where(mask == 0, 1, pos)
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Positions restarting at 0 at each new segment of a packed row (segments are contiguous runs)."""
+    seq = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
+    prev = jnp.concatenate([jnp.full_like(segment_ids[:, :1], -1), segment_ids[:, :-1]], axis=-1)
+    starts = jnp.where(segment_ids != prev, idx, 0)
+    return idx - jax.lax.cummax(starts, axis=1)
+
+
+def make_attention_mask(batch: int, seq: int, attention_mask: Optional[jax.Array] = None,
+                        segment_ids: Optional[jax.Array] = None,
+                        sliding_window: Optional[int] = None) -> jax.Array:
+    """Boolean [batch, q, k] mask: causal, minus padded keys, minus other segments, minus out-of-window keys."""
+    q_idx = jnp.arange(seq)[:, None]
+    k_idx = jnp.arange(seq)[None, :]
+    allowed = k_idx <= q_idx
+    if sliding_window is not None:
+        allowed = allowed & (k_idx > q_idx - sliding_window)
+    allowed = jnp.broadcast_to(allowed[None], (batch, seq, seq))
+    if attention_mask is not None:
+        allowed = allowed & (attention_mask[:, None, :] != 0)
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        allowed = allowed & same & (segment_ids[:, None, :] != 0)
+    return allowed
+
+
+def _dense(cfg: LlamaConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din, dout, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range), bias_init=nnx.initializers.zeros_init(),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary embeddings; separate q/k/v/o projections."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.dtype = cfg.jnp_dtype
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _dense(cfg, h, self.num_heads * d, cfg.attention_bias, rngs)
+        self.k_proj = _dense(cfg, h, self.num_kv_heads * d, cfg.attention_bias, rngs)
+        self.v_proj = _dense(cfg, h, self.num_kv_heads * d, cfg.attention_bias, rngs)
+        self.o_proj = _dense(cfg, self.num_heads * d, h, cfg.attention_out_bias, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        b, s, _ = x.shape
+        kv, d = self.num_kv_heads, self.head_dim
+        groups = self.num_heads // kv
+        q = _apply_rope(self.q_proj(x).reshape(b, s, self.num_heads, d), cos, sin)
+        k = _apply_rope(self.k_proj(x).reshape(b, s, kv, d), cos, sin)
+        v = self.v_proj(x).reshape(b, s, kv, d)
+        # Query heads h = kv_head * groups + g, matching HF's repeat_kv ordering.
+        q = q.reshape(b, s, kv, groups, d)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (d ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        return self.o_proj(out.reshape(b, s, self.num_heads * d))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _dense(cfg, h, i, False, rngs)
+        self.up_proj = _dense(cfg, h, i, False, rngs)
+        self.down_proj = _dense(cfg, i, h, False, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        kw = dict(dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
+    return layer(x, cos, sin, mask)
+
+
+# Rematerialised variant: activations inside each layer are recomputed in the backward pass, trading
+# ~1/3 more compute for memory that no longer grows with the per-layer intermediates.
+_run_layer_remat = nnx.remat(_run_layer)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only LM returning float32 logits ``[batch, seq, vocab]``.
+
+    Call: ``model(input_ids, attention_mask=None, *, positions=None, segment_ids=None)``.
+    ``attention_mask`` is HF's [batch, seq] 1/0 padding mask (left or right padding); positions then
+    skip the padding like HF generation. ``segment_ids`` (0 = padding) makes attention block-diagonal
+    for packed rows, and positions restart per segment unless ``positions`` is given.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs] = None):
+        if rngs is None:
+            rngs = nnx.Rngs(config.seed)
+        self.config = config
+        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size,
+            embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs, **kw,
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        if not config.tie_word_embeddings:
+            self.lm_head = _dense(config, config.hidden_size, config.vocab_size, False, rngs)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None, *,
+                 positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        cfg = self.config
+        b, s = input_ids.shape
+        if positions is None:
+            if segment_ids is not None:
+                positions = positions_from_segments(segment_ids)
+            elif attention_mask is not None:
+                positions = positions_from_mask(attention_mask)
+            else:
+                positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        mask = make_attention_mask(b, s, attention_mask, segment_ids, cfg.sliding_window)
+        cos, sin = _rope_cos_sin(positions, rope_inv_freq(cfg))
+
+        x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
+        run = _run_layer_remat if cfg.remat else _run_layer
+        for layer in self.layers:
+            x = run(layer, x, cos, sin, mask)
+        x = self.norm(x)
+        if cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+
+def create_model(config: LlamaConfig, *, lazy: bool = False, rngs: Optional[nnx.Rngs] = None) -> LlamaForCausalLM:
+    """Build the model; ``lazy=True`` gives an abstract model (ShapeDtypeStructs, no device memory)."""
+    if lazy:
+        seed = config.seed
+        return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
+    return LlamaForCausalLM(config, rngs=rngs)
+
+
+def count_params(config: LlamaConfig, *, include_embeddings: bool = True) -> int:
+    """Analytic parameter count (matches the model's state; tied lm_head counted once)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    attn = h * nq * d + 2 * h * nkv * d + nq * d * h
+    if config.attention_bias:
+        attn += nq * d + 2 * nkv * d
+    if config.attention_out_bias:
+        attn += h
+    per_layer = attn + 3 * h * i + 2 * h
+    total = config.num_hidden_layers * per_layer + h
+    if include_embeddings:
+        total += config.vocab_size * h
+        if not config.tie_word_embeddings:
+            total += config.vocab_size * h
+    return total
+
+
+def num_params(model: nnx.Module) -> int:
+    """Number of parameters actually held by ``model`` (works on lazy/abstract models too)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token for MFU: 6 * (matmul params) + 12 * layers * heads * head_dim * seq_len.
+
+    Matmul params are every projection plus the output projection (vocab x hidden, tied or not); the
+    embedding lookup and norms do no matmul work. The attention term counts QK^T and AV forward and
+    backward over the full (non-causally-halved) sequence, the PaLM/Megatron convention, so numbers are
+    comparable with published MFU figures.
+    """
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * i
+    matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * h
+    attention = 12 * config.num_hidden_layers * nq * d * seq_len
+    return float(6 * matmul_params + attention)
