@@ -1,0 +1,61 @@
+"""Turn raw text or chat conversations into token documents ready for ``pack_documents``.
+
+Pure functions of (tokenizer, batch of values): Ray Data workers and the single-sample helpers
+share them, so both paths tokenize identically.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .tokenizer import check_chat_template
+
+
+def _eos_id(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos token; documents must end with one so packed rows "
+                         "show where each ends. Set tokenizer.eos_token.")
+    return int(tokenizer.eos_token_id)
+
+
+def encode_texts(tokenizer, texts: Sequence[str | None], *, add_bos: bool = True) -> list[np.ndarray]:
+    """Tokenize each text as one document: [bos] + tokens + eos (None counts as empty)."""
+    eos = _eos_id(tokenizer)
+    bos = [int(tokenizer.bos_token_id)] if add_bos and tokenizer.bos_token_id is not None else []
+    # Special tokens are placed here, not by the tokenizer's post-processor, so every tokenizer
+    # gives the same layout whatever its own defaults are.
+    ids = tokenizer([t or "" for t in texts], add_special_tokens=False)["input_ids"]
+    return [np.asarray(bos + list(x) + [eos], dtype=np.int64) for x in ids]
+
+
+def _clean_message(message: Mapping[str, Any]) -> dict:
+    # Arrow unifies struct fields across rows, filling absent keys with None; templates test for
+    # presence (e.g. message.get('name')), so drop them again.
+    return {k: v for k, v in dict(message).items() if v is not None}
+
+
+def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]],
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Render each conversation with the chat template; label mask = the assistant-token mask.
+
+    Returns (documents, label_masks). A document is closed with eos if the template did not end
+    it with one; that eos is not a training target.
+    """
+    check_chat_template(tokenizer)
+    eos = _eos_id(tokenizer)
+    docs, masks = [], []
+    if not conversations:
+        return docs, masks
+    convs = [[_clean_message(m) for m in conv] for conv in conversations]
+    out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    for ids, mask in zip(out["input_ids"], out["assistant_masks"]):
+        ids = np.asarray(ids, dtype=np.int64)
+        mask = np.asarray(mask, dtype=np.int32)
+        if len(ids) == 0 or ids[-1] != eos:
+            ids = np.append(ids, eos)
+            mask = np.append(mask, 0)
+        docs.append(ids)
+        masks.append(mask)
+    return docs, masks

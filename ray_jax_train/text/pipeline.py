@@ -1,0 +1,110 @@
+"""Ray Data wiring: tokenise and pack on Ray Data's CPU workers, never in the train loop.
+
+Each ``map_batches`` call takes a batch of raw rows (text or chat messages) and returns packed
+rows (see ``packing.py``); a batch is the packing window, so a larger ``batch_size`` wastes
+fewer tokens on padding at the end of each window. The tokenizer is loaded once per actor,
+from a local directory or from one copy in the object store, not shipped with every batch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from .encode import encode_chats, encode_texts
+from .errors import EmptyDatasetError, MissingColumnError
+from .packing import pack_documents
+from .sources import extract_column_names, load_text_dataset, resolve_column
+from .tokenizer import check_chat_template, ensure_pad_token, load_tokenizer
+
+
+def _column_values(batch: Any, name: str) -> list:
+    if isinstance(batch, Mapping):
+        names = list(batch)
+        values = batch[name] if name in batch else None
+    else:  # pyarrow.Table (the batch_format we ask Ray for) or pandas
+        names = list(getattr(batch, "column_names", None) or batch.columns)
+        values = batch[name] if name in names else None
+    if values is None:
+        raise MissingColumnError(f"column {name!r} is missing from the batch; its columns are {names}")
+    if hasattr(values, "to_pylist"):
+        return values.to_pylist()
+    return list(values.tolist() if isinstance(values, np.ndarray) else values)
+
+
+class TokenizeAndPack:
+    """Ray Data callable class: raw rows in, packed ``seq_len`` rows out (see ``packing.py``).
+
+    ``tokenizer`` is a tokenizer, a local directory to load one from, or an ``ObjectRef`` to one;
+    it is resolved once in ``__init__``, i.e. once per Ray Data actor.
+    """
+
+    def __init__(self, tokenizer, seq_len: int, *, text_column: str = "text",
+                 messages_column: str = "messages", kind: str | None = None, add_bos: bool = True,
+                 max_position_embeddings: int | None = None, truncation: bool = False,
+                 pad_id: int | None = None):
+        import ray
+
+        if isinstance(tokenizer, ray.ObjectRef):
+            tokenizer = ray.get(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.seq_len = seq_len
+        self.text_column = text_column
+        self.messages_column = messages_column
+        self.kind = kind
+        self.add_bos = add_bos
+        self.max_position_embeddings = max_position_embeddings
+        self.truncation = truncation
+        self.pad_id = pad_id if pad_id is not None else ensure_pad_token(self.tokenizer).pad_token_id
+
+    def __call__(self, batch: Any) -> dict[str, np.ndarray]:
+        kind = self.kind
+        if kind is None:
+            names = list(batch) if isinstance(batch, Mapping) else list(getattr(batch, "column_names", None) or batch.columns)
+            kind, _ = resolve_column(names, self.text_column, self.messages_column)
+        if kind == "messages":
+            conversations = [c for c in _column_values(batch, self.messages_column) if c]
+            docs, masks = encode_chats(self.tokenizer, conversations)
+        else:
+            texts = [t for t in _column_values(batch, self.text_column) if t]  # empty text: no document
+            docs, masks = encode_texts(self.tokenizer, texts, add_bos=self.add_bos), None
+        return pack_documents(docs, self.seq_len, label_masks=masks, pad_id=self.pad_id,
+                              max_position_embeddings=self.max_position_embeddings,
+                              truncation=self.truncation)
+
+
+def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "text",
+                      messages_column: str = "messages", add_bos: bool = True,
+                      max_position_embeddings: int | None = None, truncation: bool = False,
+                      batch_size: int = 1024, concurrency: int | tuple[int, int] | None = 1,
+                      num_cpus: float = 1, check_not_empty: bool = True):
+    """Return a Ray dataset of packed rows built from ``dataset``'s text or messages column.
+
+    Problems visible from the driver (missing column, empty dataset, messages without a usable
+    chat template, seq_len beyond the position table) raise here, before any worker starts.
+    A messages column wins over a text column when both exist.
+    """
+    import ray
+
+    tok = load_tokenizer(tokenizer)
+    pad_id = ensure_pad_token(tok).pad_token_id
+    resolved = resolve_column(extract_column_names(dataset), text_column, messages_column)
+    kind = resolved[0] if resolved else None
+    if kind == "messages":
+        check_chat_template(tok)
+    if check_not_empty and not dataset.take(1):
+        raise EmptyDatasetError("the dataset has no rows")
+    handle = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else ray.put(tok)
+    return dataset.map_batches(
+        TokenizeAndPack, batch_size=batch_size, batch_format="pyarrow", concurrency=concurrency,
+        num_cpus=num_cpus,
+        fn_constructor_args=(handle, seq_len),
+        fn_constructor_kwargs=dict(text_column=text_column, messages_column=messages_column, kind=kind,
+                                   add_bos=add_bos, max_position_embeddings=max_position_embeddings,
+                                   truncation=truncation, pad_id=pad_id))
+
+
+def build_lm_dataset(source, tokenizer, seq_len: int, *, format: str | None = None, **kwargs):
+    """``load_text_dataset(source)`` then ``tokenize_and_pack``: any source to packed LM rows."""
+    return tokenize_and_pack(load_text_dataset(source, format=format), tokenizer, seq_len, **kwargs)

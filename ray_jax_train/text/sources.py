@@ -1,0 +1,142 @@
+"""Turn any supported text source into a ``ray.data.Dataset`` and find its text/messages column."""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from .errors import EmptyDatasetError, MissingColumnError
+
+# File suffix -> reader. ".json" is read as JSON lines too: a top-level JSON array is rare for
+# training data and Arrow's reader wants one object per line.
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def _format_of(path: str) -> str | None:
+    name = path.lower()
+    for suffix in (".gz", ".zst", ".br", ".lz4"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return _FORMATS.get(os.path.splitext(name)[1])
+
+
+def _files_under(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                      if not f.startswith((".", "_")))
+    return [path]
+
+
+def _read_paths(paths: Sequence[str], format: str | None):
+    import ray.data
+
+    for p in paths:
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"text source {p!r} does not exist (in-memory texts: pass "
+                                    f"a list of dicts such as [{{'text': ...}}])")
+    files = [f for p in paths for f in _files_under(p)]
+    if not files:
+        raise EmptyDatasetError(f"no files found under {list(paths)}")
+    if format is None:
+        found = {_format_of(f) for f in files} - {None}
+        if len(found) != 1:
+            raise ValueError(f"cannot tell the file format of {list(paths)} (found {sorted(found) or 'no known suffix'}); "
+                             f"pass format='json', 'parquet' or 'text'")
+        format = found.pop()
+        files = [f for f in files if _format_of(f) == format]
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise EmptyDatasetError(f"every file in {list(paths)} is empty")
+    if format == "json":
+        return ray.data.read_json(files, lines=True)
+    if format == "parquet":
+        return ray.data.read_parquet(files)
+    if format == "text":
+        return ray.data.read_text(files)  # one row per line, in column "text"
+    raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
+
+
+def load_text_dataset(source: Any, *, format: str | None = None):
+    """Return ``source`` as a ``ray.data.Dataset``.
+
+    Accepts a ``ray.data.Dataset`` (returned as is), a Hugging Face ``datasets.Dataset`` or
+    ``IterableDataset`` (via ``ray.data.from_huggingface``), a list of row dicts, or local
+    file/directory path(s) of ``.jsonl``/``.json`` (JSON lines), ``.parquet`` or ``.txt`` (one
+    row per line, column ``text``). ``format`` overrides the suffix-based guess.
+    """
+    import ray.data
+
+    if isinstance(source, ray.data.Dataset):
+        return source
+    try:
+        import datasets as hf_datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        hf_datasets = None
+    if hf_datasets is not None:
+        if isinstance(source, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):
+            raise ValueError(f"got a DatasetDict with splits {list(source.keys())}; pass one split, "
+                             f"e.g. source['train']")
+        if isinstance(source, hf_datasets.Dataset):
+            if len(source) == 0:
+                raise EmptyDatasetError("the Hugging Face dataset has no rows")
+            return ray.data.from_huggingface(source)
+        if isinstance(source, hf_datasets.IterableDataset):
+            return ray.data.from_huggingface(source)
+    if isinstance(source, (str, os.PathLike)):
+        return _read_paths([os.fspath(source)], format)
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise EmptyDatasetError("the source list is empty")
+        if all(isinstance(x, dict) for x in source):
+            return ray.data.from_items(list(source))
+        if all(isinstance(x, (str, os.PathLike)) for x in source):
+            return _read_paths([os.fspath(x) for x in source], format)
+    raise TypeError(f"unsupported text source of type {type(source).__name__}; pass a ray.data.Dataset, "
+                    f"a datasets.Dataset, a list of row dicts, or local .jsonl/.parquet/.txt path(s)")
+
+
+def extract_column_names(dataset: Any) -> list[str] | None:
+    """Column names of a Hugging Face or Ray dataset (or DataFrame / dict of columns); None if unknown.
+
+    A Ray dataset's schema may need to execute the first block, so this can cost a little work.
+    """
+    try:
+        import ray.data
+
+        if isinstance(dataset, ray.data.Dataset):
+            schema = dataset.schema()
+            return None if schema is None else list(schema.names)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import datasets as hf_datasets
+
+        if isinstance(dataset, (hf_datasets.DatasetDict, hf_datasets.IterableDatasetDict)):
+            raise ValueError(f"got a DatasetDict with splits {list(dataset.keys())}; pass one split")
+        if isinstance(dataset, (hf_datasets.Dataset, hf_datasets.IterableDataset)):
+            if dataset.column_names is not None:
+                return list(dataset.column_names)
+            return None if dataset.features is None else list(dataset.features)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(dataset, dict):
+        return list(dataset)
+    columns = getattr(dataset, "columns", None)  # pandas / pyarrow
+    if columns is not None:
+        return [str(c) for c in columns]
+    column_names = getattr(dataset, "column_names", None)
+    if column_names is not None:
+        return list(column_names)
+    raise TypeError(f"cannot read column names from a {type(dataset).__name__}")
+
+
+def resolve_column(columns: Sequence[str] | None, text_column: str, messages_column: str) -> tuple[str, str] | None:
+    """Pick ("messages"|"text", column name); messages win when both exist. None if columns unknown."""
+    if columns is None:
+        return None
+    if messages_column in columns:
+        return "messages", messages_column
+    if text_column in columns:
+        return "text", text_column
+    raise MissingColumnError(
+        f"the dataset has neither a text column {text_column!r} nor a messages column "
+        f"{messages_column!r}; its columns are {list(columns)}. Pass text_column=... or "
+        f"messages_column=... to name the right one.")

@@ -1,0 +1,111 @@
+"""Train, load and check tokenizers locally: nothing here touches the Hugging Face Hub."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable
+
+from .errors import NoChatTemplateError
+
+logger = logging.getLogger(__name__)
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+# Every turn is "<|role|>\n" + content + eos. Assistant content and its closing eos sit inside
+# {% generation %} so apply_chat_template(return_assistant_tokens_mask=True) marks exactly the
+# tokens the model should learn to produce, including when to stop; the role header is prompt.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}"
+    "{{ message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequency: int = 2,
+                    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+                    model_max_length: int | None = None, save_dir: str | os.PathLike | None = None):
+    """Train a byte-level BPE on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Byte-level means every string is encodable (no unknown token), so a tiny local corpus is
+    enough for a working tokenizer. The result has bos/eos/pad tokens, the role tokens of
+    ``DEFAULT_CHAT_TEMPLATE`` and that template; it adds no special tokens on plain ``__call__``
+    because the data pipeline decides where bos/eos go. ``vocab_size`` is an upper bound: a
+    small corpus may yield fewer merges. With ``save_dir`` it is also saved there, ready for
+    ``AutoTokenizer.from_pretrained(save_dir)`` offline.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS]
+    if vocab_size < len(special) + 256:
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens "
+                         f"plus {len(special)} special tokens")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(iter(texts), trainer)
+    kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        additional_special_tokens=list(ROLE_TOKENS), chat_template=chat_template, **kwargs)
+    if save_dir is not None:
+        tokenizer.save_pretrained(os.fspath(save_dir))
+    return tokenizer
+
+
+def load_tokenizer(tokenizer_or_path):
+    """Return a tokenizer: the object itself, or one loaded from a local directory (never the Hub)."""
+    if isinstance(tokenizer_or_path, (str, os.PathLike)):
+        path = os.fspath(tokenizer_or_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; save one with "
+                                    f"tokenizer.save_pretrained(dir) or train_tokenizer(..., save_dir=dir)")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tokenizer_or_path
+
+
+def ensure_pad_token(tokenizer):
+    """Give ``tokenizer`` a pad token, falling back to eos (with a warning); returns it.
+
+    Padding positions never carry loss, so reusing eos is harmless, but it is worth a warning
+    because it makes ``input_ids == pad_id`` useless for finding padding.
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError("tokenizer has neither a pad token nor an eos token to pad with; "
+                         "set tokenizer.pad_token before building batches")
+    logger.warning("tokenizer has no pad token; padding with the eos token %r", tokenizer.eos_token)
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_chat_template(tokenizer) -> None:
+    """Raise ``NoChatTemplateError`` unless the tokenizer can render messages with an assistant mask."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise NoChatTemplateError(
+            "the data has a messages column but the tokenizer has no chat template. Set one, e.g. "
+            "tokenizer.chat_template = ray_jax_train.text.DEFAULT_CHAT_TEMPLATE (and add its role "
+            "tokens), train one with ray_jax_train.text.train_tokenizer, or give a text column instead.")
+    templates = template.values() if isinstance(template, dict) else [template]
+    if not any("generation" in t for t in templates):
+        raise NoChatTemplateError(
+            "the tokenizer's chat template does not mark assistant turns with "
+            "{% generation %}...{% endgeneration %}, so there is no way to put the loss on assistant "
+            "tokens only. Wrap assistant content in those tags (see DEFAULT_CHAT_TEMPLATE).")
