@@ -1,4 +1,5 @@
 """Model zoo: Llama-family causal LMs in Flax NNX and Hugging Face checkpoint conversion."""
+from ray_jax_train.models.hf import from_pretrained, load_hf_config, save_pretrained
 from ray_jax_train.models.llama import (
     LlamaForCausalLM,
     count_params,
@@ -12,5 +13,8 @@ __all__ = [
     "count_params",
     "create_model",
     "flops_per_token",
+    "from_pretrained",
+    "load_hf_config",
     "num_params",
+    "save_pretrained",
 ]
