@@ -3,9 +3,12 @@ import os
 
 import pytest
 
-# Keep JAX in the test process on the CPU and quiet; workers get their own settings from JaxConfig.
+# The test process itself runs single-process references on the CPU with 4 devices (for mesh tests).
+# Set through jax.config, not XLA_FLAGS, so Ray workers (which inherit this environment) are unaffected.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 4)
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +16,11 @@ def ray_cluster():
     import ray
 
     # 2 cores on CI: oversubscribe logical CPUs so 2 training workers and Ray Data tasks can all be placed.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    # The 2 GPUs are logical only (no CUDA here): they let tests check which GPU ids Ray hands each worker.
+    # Workers import the loops defined in tests/ and examples/ by module name.
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [here, os.path.join(os.path.dirname(here), "examples"), os.environ.get("PYTHONPATH", "")]
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
     yield ray
     ray.shutdown()

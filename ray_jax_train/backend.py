@@ -1,0 +1,319 @@
+"""JaxConfig and the Ray Train backend that turns N Ray workers into one `jax.distributed` job.
+
+Ray's own `ray.train.v2.jax.JaxConfig` skips CPU entirely and pins every GPU worker to GPU 0. This backend
+initialises `jax.distributed` on every platform, gives each GPU worker exactly the GPUs Ray assigned it, and
+pushes JAX/XLA settings into the worker before its JAX backend starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import ray
+from ray.train._internal.utils import get_address_and_port
+from ray.train.backend import Backend, BackendConfig
+
+logger = logging.getLogger(__name__)
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+# JAX names the GPU platform "cuda"; users and Ray say "gpu".
+_JAX_PLATFORM_NAME = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+_PLATFORM_FROM_JAX = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
+_MULTISLICE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
+
+
+@dataclasses.dataclass
+class JaxConfig(BackendConfig):
+    """How each worker's JAX runtime is set up.
+
+    Args:
+        use_tpu / use_gpu: as in Ray's `JaxConfig`; they also follow `ScalingConfig` when left False.
+        platform: "cpu", "gpu" or "tpu"; overrides the choice made from the scaling config and `JAX_PLATFORMS`.
+        num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU.
+        mesh: ordered axis name -> size (one size may be -1) that `ray_jax_train.get_mesh()` builds in the loop.
+        env_vars: extra `JAX_*` / `XLA_*` environment for the workers, set before JAX starts there.
+        xla_flags: appended to the workers' `XLA_FLAGS`.
+        gpu_memory_preallocate / gpu_memory_fraction: JAX's GPU allocator settings, e.g. to share a GPU
+            between Tune trials.
+        compilation_cache_dir: JAX persistent compilation cache, so restarts skip recompilation.
+        initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts.
+    """
+
+    use_tpu: bool = False
+    use_gpu: bool = False
+    platform: Optional[str] = None
+    num_cpu_devices: int = 1
+    mesh: Optional[Mapping[str, int]] = None
+    env_vars: Dict[str, str] = dataclasses.field(default_factory=dict)
+    xla_flags: Sequence[str] = ()
+    gpu_memory_preallocate: Optional[bool] = None
+    gpu_memory_fraction: Optional[float] = None
+    compilation_cache_dir: Optional[str] = None
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    shutdown_timeout_s: int = 60
+
+    def __post_init__(self):
+        if self.platform is not None:
+            self.platform = str(self.platform).lower()
+            if self.platform == "cuda":
+                self.platform = "gpu"
+            if self.platform not in PLATFORMS:
+                raise ValueError(
+                    f"JaxConfig(platform={self.platform!r}) is not a platform; use one of {PLATFORMS} "
+                    "or leave it None to follow ScalingConfig(use_gpu/use_tpu) and JAX_PLATFORMS."
+                )
+        if not isinstance(self.num_cpu_devices, int) or self.num_cpu_devices < 1:
+            raise ValueError(
+                f"JaxConfig(num_cpu_devices={self.num_cpu_devices!r}) must be an integer >= 1: it is the number "
+                "of CPU devices each worker process exposes to JAX."
+            )
+        if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"JaxConfig(gpu_memory_fraction={self.gpu_memory_fraction}) must be in (0, 1]: it is the share of "
+                "each GPU's memory that JAX may use."
+            )
+        bad_env = [k for k in self.env_vars if not isinstance(k, str)]
+        if bad_env:
+            raise ValueError(f"JaxConfig(env_vars=...) keys must be strings, got {bad_env}.")
+        if self.mesh is not None:
+            from ray_jax_train.mesh import validate_axes
+
+            self.mesh = validate_axes(self.mesh)
+
+    @property
+    def backend_cls(self):
+        return _JaxBackend
+
+    @property
+    def framework(self):
+        from ray.train.v2._internal.util import TrainingFramework
+
+        return TrainingFramework.JAX
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "use_tpu": self.use_tpu,
+            "use_gpu": self.use_gpu,
+            "platform": self.platform,
+            "num_cpu_devices": self.num_cpu_devices,
+        }
+
+    def worker_env(self) -> Dict[str, str]:
+        """The environment each worker gets before JAX starts, derived from this config."""
+        env = dict(self.env_vars)
+        env["JAX_PLATFORMS"] = _JAX_PLATFORM_NAME[self.platform or "cpu"]
+        flags = list(self.xla_flags)
+        if flags:
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))] + flags).strip()
+        if self.gpu_memory_preallocate is not None:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if self.gpu_memory_preallocate else "false"
+        if self.gpu_memory_fraction is not None:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.gpu_memory_fraction:.4f}"
+        if self.compilation_cache_dir:
+            env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
+        return env
+
+
+def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_config=None) -> JaxConfig:
+    """Decide the platform on the driver, before workers start, and check it against the scaling config."""
+    config = dataclasses.replace(jax_config) if jax_config is not None else JaxConfig()
+    config.use_tpu = bool(config.use_tpu or scaling_config.use_tpu)
+    config.use_gpu = bool(config.use_gpu or scaling_config.use_gpu)
+    if config.platform is None:
+        if config.use_tpu:
+            config.platform = "tpu"
+        elif config.use_gpu:
+            config.platform = "gpu"
+        else:
+            config.platform = _platform_from_env(run_config) or "cpu"
+    if config.platform == "gpu" and not _requests_gpus(scaling_config):
+        raise ValueError(
+            "JaxConfig(platform='gpu') but the ScalingConfig gives the workers no GPU, so JAX would find none. "
+            "Use ScalingConfig(use_gpu=True) (or resources_per_worker={'GPU': n}), or platform='cpu'."
+        )
+    if config.platform == "tpu" and not scaling_config.use_tpu:
+        raise ValueError(
+            "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "
+            "TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)."
+        )
+    return config
+
+
+def _requests_gpus(scaling_config) -> bool:
+    return bool(scaling_config.use_gpu or (scaling_config.resources_per_worker or {}).get("GPU", 0))
+
+
+def _platform_from_env(run_config) -> Optional[str]:
+    env = {}
+    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
+    if isinstance(worker_env, dict):
+        env = worker_env.get("env_vars") or {}
+    value = env.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORMS", "")
+    first = value.split(",")[0].strip().lower()
+    return _PLATFORM_FROM_JAX.get(first) if first else None
+
+
+def multislice_env(num_workers: int, num_slices: int, workers_per_slice: int, coordinator_ip: str) -> List[dict]:
+    """Per-worker `MEGASCALE_*` variables for multi-slice TPU, from Ray's own TPU utility."""
+    if num_slices <= 1:
+        return [{} for _ in range(num_workers)]
+    from ray.util.tpu import get_tpu_coordinator_env_vars
+
+    return [
+        get_tpu_coordinator_env_vars(
+            coordinator_address=coordinator_ip,
+            num_slices=num_slices,
+            slice_id=min(rank // workers_per_slice, num_slices - 1),
+        )
+        for rank in range(num_workers)
+    ]
+
+
+def assigned_gpus(process_id: int):
+    """`CUDA_VISIBLE_DEVICES` and JAX `local_device_ids` for exactly the GPUs Ray gave this worker.
+
+    Ray may hand a worker GPUs 2,3 on an 8-GPU node; expose only those, renumbered from 0 for JAX, so two
+    workers on one node never drive the same GPU.
+    """
+    gpu_ids = [str(i) for i in ray.get_gpu_ids()]
+    if not gpu_ids:
+        raise RuntimeError(
+            f"Worker {process_id} was given no GPU by Ray, but JaxConfig(platform='gpu'). "
+            "Set ScalingConfig(use_gpu=True) or resources_per_worker={'GPU': n}."
+        )
+    return ",".join(gpu_ids), list(range(len(gpu_ids)))
+
+
+def _setup_worker(
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    config: JaxConfig,
+    slice_env: Mapping[str, str],
+) -> dict:
+    """Runs on each worker: environment first, then `jax.distributed.initialize`."""
+    env = config.worker_env()
+    for key, value in env.items():
+        os.environ[key] = value
+    for key, value in slice_env.items():
+        # Always overwrite: a stale value from a replaced slice would make libtpu wait for slices that are gone.
+        if key in _MULTISLICE_KEYS or key not in os.environ:
+            os.environ[key] = value
+
+    local_device_ids = None
+    if config.platform == "gpu":
+        visible, local_device_ids = assigned_gpus(process_id)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "JAX's backend was already started in this worker before ray_jax_train could configure it "
+            "(something called into JAX at import time). Move JAX work inside train_loop_per_worker."
+        )
+    jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
+    if config.platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        # Small CPU programs compile fast but are still worth caching for restarts.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=config.initialization_timeout_s,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+        shutdown_timeout_seconds=config.shutdown_timeout_s,
+    )
+    _state.config = config
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_device_count": jax.local_device_count(),
+        "device_count": jax.device_count(),
+    }
+
+
+def _shutdown_worker():
+    import jax
+
+    try:
+        jax.distributed.shutdown()
+    except Exception as exc:  # a dead peer must not stop the rest of the group from tearing down
+        logger.warning("jax.distributed.shutdown() failed: %s", exc)
+    _state.config = None
+
+
+class _WorkerState:
+    """What the backend set up in this worker process, for the in-loop helpers."""
+
+    config: Optional[JaxConfig] = None
+
+
+_state = _WorkerState()
+
+
+def worker_config() -> Optional[JaxConfig]:
+    """The JaxConfig this worker was set up with (None outside a JaxTrainer worker)."""
+    return _state.config
+
+
+class _JaxBackend(Backend):
+    # Each worker must see only its own GPUs: sharing CUDA_VISIBLE_DEVICES is what lets workers collide.
+    share_cuda_visible_devices = False
+
+    def on_start(self, worker_group, backend_config: JaxConfig):
+        coord_ip, coord_port = worker_group.execute_single(0, get_address_and_port)
+        num_workers = len(worker_group)
+        num_slices, workers_per_slice = 1, num_workers
+        if backend_config.platform == "tpu":
+            num_slices, workers_per_slice = self._tpu_slices(worker_group)
+        slice_envs = multislice_env(num_workers, num_slices, workers_per_slice, coord_ip)
+        futures = [
+            worker_group.execute_single_async(
+                rank, _setup_worker, f"{coord_ip}:{coord_port}", num_workers, rank, backend_config, slice_envs[rank]
+            )
+            for rank in range(num_workers)
+        ]
+        infos = ray.get(futures)
+        counts = {info["process_count"] for info in infos}
+        if counts != {num_workers}:
+            raise RuntimeError(f"jax.distributed came up with process counts {counts}, expected {num_workers}.")
+        logger.info(
+            "jax.distributed ready: %d processes, %d devices (%s).",
+            num_workers, infos[0]["device_count"], backend_config.platform,
+        )
+
+    @staticmethod
+    def _tpu_slices(worker_group):
+        num_slices = 1
+        if hasattr(worker_group, "get_worker_group_context"):
+            num_slices = worker_group.get_worker_group_context().num_slices
+        if num_slices <= 1:
+            return 1, len(worker_group)
+        from ray.util.tpu import get_tpu_worker_resources
+
+        scaling = worker_group._train_run_context.scaling_config
+        workers_per_slice, _ = get_tpu_worker_resources(
+            topology=scaling.topology,
+            accelerator_type=scaling.accelerator_type,
+            resources_per_worker=scaling.resources_per_worker,
+            num_slices=1,
+        )
+        return num_slices, workers_per_slice
+
+    def on_shutdown(self, worker_group, backend_config: JaxConfig):
+        futures = worker_group.execute_async(_shutdown_worker)
+        try:
+            ray.get(futures, timeout=backend_config.shutdown_timeout_s + 5)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("jax.distributed shutdown timed out; a worker may be hung or dead.")

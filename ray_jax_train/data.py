@@ -1,0 +1,298 @@
+"""Ray Data shard -> global `jax.Array` batches sharded over a mesh's batch axes.
+
+Ray Data does the reading, shuffling and host batching. This module adds what Ray's own `iter_jax_batches`
+lacks: a *global* batch size, any mesh (not a fixed 1-D one), host-to-device prefetch, and the same number of
+batches on every worker even when shards are uneven, so a collective in the step can never hang.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from ray_jax_train.mesh import batch_axes_of
+
+REMAINDERS = ("drop", "pad")
+_call_counter = itertools.count()
+
+
+def resolve_dataset(dataset) -> Any:
+    """A `DataIterator` from a dataset name (this worker's shard), an iterator, or a Ray Dataset."""
+    if isinstance(dataset, str):
+        import ray.train
+
+        try:
+            return ray.train.get_dataset_shard(dataset)
+        except KeyError as exc:
+            raise ValueError(
+                f"No dataset named {dataset!r} was given to the trainer ({exc}). Pass it in "
+                f"JaxTrainer(datasets={{{dataset!r}: ...}}) or use one of the names that were passed."
+            ) from None
+    if hasattr(dataset, "iter_batches"):
+        return dataset
+    raise TypeError(
+        f"iter_jax_batches needs a dataset name, a ray.data.DataIterator or a ray.data.Dataset, "
+        f"got {type(dataset).__name__}."
+    )
+
+
+def batch_sharding(mesh, batch_axes: Optional[Sequence[str]] = None):
+    """Rows split over the batch axes, every other dimension replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axes = batch_axes_of(mesh, batch_axes)
+    # P("dp") rather than P(("dp",)): the same sharding a user writes by hand, so jit does not recompile.
+    return NamedSharding(mesh, PartitionSpec(axes[0] if len(axes) == 1 else axes))
+
+
+def process_rows(sharding, batch_size: int) -> int:
+    """How many rows of a global batch this process feeds, checked to be a clean split across processes."""
+    import jax
+
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(*index[0].indices(batch_size)))
+    per_process = batch_size // jax.process_count()
+    if len(rows) != per_process:
+        raise ValueError(
+            f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
+            f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "
+            "mesh so that each process owns a distinct block of the batch."
+        )
+    return per_process
+
+
+def check_batch_size(batch_size: int, mesh, batch_axes: Optional[Sequence[str]] = None) -> int:
+    """Number of batch shards; raises when the global batch does not split over them."""
+    import math
+
+    axes = batch_axes_of(mesh, batch_axes)
+    shards = math.prod(mesh.shape[name] for name in axes)
+    if not isinstance(batch_size, int) or batch_size <= 0 or batch_size % shards:
+        lower = (batch_size // shards) * shards if isinstance(batch_size, int) else 0
+        hint = f" (e.g. {lower} or {lower + shards})" if lower else f" (e.g. {shards})"
+        raise ValueError(
+            f"Global batch_size={batch_size} is not divisible by the {shards} batch shards of mesh axes "
+            f"{axes} (sizes {[mesh.shape[a] for a in axes]}). Use a multiple of {shards}{hint}."
+        )
+    return shards
+
+
+def iter_jax_batches(
+    dataset: Union[str, Any],
+    *,
+    batch_size: int,
+    mesh,
+    batch_axes: Optional[Sequence[str]] = None,
+    dtypes: Union[None, Any, Mapping[str, Any]] = None,
+    columns: Optional[Sequence[str]] = None,
+    remainder: str = "drop",
+    mask_key: str = "valid",
+    prefetch: int = 2,
+    sync: bool = True,
+    sync_window: int = 4,
+    sync_timeout_s: float = 1800.0,
+    skip_batches: int = 0,
+    local_shuffle_buffer_size: Optional[int] = None,
+    local_shuffle_seed: Optional[int] = None,
+) -> Iterator[Dict[str, Any]]:
+    """Yield dicts of global `jax.Array`s of `batch_size` rows, sharded over `mesh`'s batch axes.
+
+    Args:
+        dataset: a name from `JaxTrainer(datasets=...)`, a `DataIterator`, or a `ray.data.Dataset`.
+        batch_size: the GLOBAL batch size; each process reads `batch_size / process_count` rows.
+        mesh: the mesh to shard over; `batch_axes` defaults to those of dp, fsdp, data it has.
+        dtypes: one dtype for every column or a column -> dtype mapping (e.g. `jnp.bfloat16`).
+        columns: columns to keep (default all).
+        remainder: "drop" ends at the last batch every worker can fill; "pad" pads the tail with zeros and
+            adds a boolean `mask_key` column that marks real rows (so every batch has the same shape).
+        prefetch: batches placed on device ahead of the one being consumed.
+        sync: agree with the other processes on the batch count (uneven shards); turn off only when the
+            shards are known to be equal.
+        skip_batches: global batches to skip first, e.g. those consumed before a resume.
+    """
+    import jax
+
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder={remainder!r}; use one of {REMAINDERS}.")
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch} must be >= 1.")
+    check_batch_size(batch_size, mesh, batch_axes)
+    sharding = batch_sharding(mesh, batch_axes)
+    local_rows = process_rows(sharding, batch_size)
+    iterator = resolve_dataset(dataset)
+    host_batches = iterator.iter_batches(
+        batch_size=local_rows,
+        batch_format="numpy",
+        drop_last=False,
+        prefetch_batches=max(1, prefetch),
+        local_shuffle_buffer_size=local_shuffle_buffer_size,
+        local_shuffle_seed=local_shuffle_seed,
+    )
+    host_batches = (_select(batch, columns, dtypes) for batch in host_batches)
+    if sync and jax.process_count() > 1:
+        agreed = _Agreement(next(_call_counter), sync_timeout_s)
+        host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
+    else:
+        host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
+    host_batches = itertools.islice(host_batches, skip_batches, None)
+
+    global_shape_of = lambda array: (batch_size,) + array.shape[1:]  # noqa: E731
+
+    def to_device(batch: Dict[str, np.ndarray]):
+        return {
+            key: jax.make_array_from_process_local_data(sharding, value, global_shape_of(value))
+            for key, value in batch.items()
+        }
+
+    return _prefetched(map(to_device, host_batches), prefetch)
+
+
+def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:
+    if columns is not None:
+        missing = [c for c in columns if c not in batch]
+        if missing:
+            raise ValueError(f"Columns {missing} are not in the dataset; it has {sorted(batch)}.")
+        batch = {c: batch[c] for c in columns}
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        if value.dtype == object:
+            value = _stack_object_column(key, value)
+        dtype = dtypes.get(key) if isinstance(dtypes, Mapping) else dtypes
+        out[key] = value.astype(dtype, copy=False) if dtype is not None else value
+    return out
+
+
+def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
+    try:
+        stacked = np.stack([np.asarray(item) for item in value])
+    except ValueError:
+        stacked = None
+    if stacked is None or stacked.dtype == object or stacked.dtype.kind in "USO":
+        raise TypeError(
+            f"Column {key!r} holds {value[0].__class__.__name__} values of varying shape or a non-numeric type, "
+            "which cannot become a jax.Array. Tokenise/pad it in a map_batches step first, or drop it with "
+            "columns=[...]."
+        )
+    return stacked
+
+
+def _pad(batch: Dict[str, np.ndarray], rows: int, mask_key: str) -> Dict[str, np.ndarray]:
+    have = len(next(iter(batch.values())))
+    out = {}
+    for key, value in batch.items():
+        padded = np.zeros((rows,) + value.shape[1:], dtype=value.dtype)
+        padded[:have] = value
+        out[key] = padded
+    mask = np.zeros((rows,), dtype=bool)
+    mask[:have] = True
+    out[mask_key] = mask
+    return out
+
+
+def _rows(batch) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _local_only(batches, rows: int, remainder: str, mask_key: str):
+    for batch in batches:
+        if _rows(batch) == rows:
+            yield _pad(batch, rows, mask_key) if remainder == "pad" else batch
+        elif remainder == "pad" and _rows(batch):
+            yield _pad(batch, rows, mask_key)
+
+
+class _Agreement:
+    """Host-side agreement between processes through jax.distributed's key-value store.
+
+    Kept off the device on purpose: a device collective issued from the prefetch thread could interleave
+    differently with the step's collectives on different processes and deadlock.
+    """
+
+    def __init__(self, call_id: int, timeout_s: float):
+        import jax
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+        self._prefix = f"ray_jax_train/batches/{call_id}"
+        self._rank = jax.process_index()
+        self._size = jax.process_count()
+        self._timeout_ms = int(timeout_s * 1000)
+        self._round = 0
+
+    def gather(self, value: int) -> list:
+        key = f"{self._prefix}/{self._round}"
+        self._client.key_value_set(f"{key}/{self._rank}", str(value))
+        values = [int(self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms)) for p in range(self._size)]
+        self._round += 1
+        return values
+
+
+def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: _Agreement, window: int):
+    """Read `window` local batches, agree on how many every process yields, repeat."""
+    template = None
+    while True:
+        chunk = list(itertools.islice(batches, window))
+        if chunk:
+            template = chunk[0]
+        if remainder == "drop":
+            full = 0
+            while full < len(chunk) and _rows(chunk[full]) == rows:
+                full += 1
+            agreed = min(agreement.gather(full))
+            yield from chunk[:agreed]
+        else:
+            agreed = max(agreement.gather(len(chunk)))
+            for i in range(agreed):
+                if i < len(chunk):
+                    yield _pad(chunk[i], rows, mask_key)
+                elif template is not None:
+                    yield _pad({k: v[:0] for k, v in template.items()}, rows, mask_key)
+                else:
+                    raise RuntimeError(
+                        "This worker's dataset shard is empty while other workers still have data, so it cannot "
+                        "build padding batches. Give every worker at least one row (more data, fewer workers)."
+                    )
+        if agreed < window:
+            return
+
+
+_DONE = object()
+
+
+def _prefetched(iterable, depth: int):
+    """Run `iterable` (host read + device put) in a thread, `depth` items ahead of the consumer."""
+    buffer: "queue.Queue" = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for item in iterable:
+                while not stop.is_set():
+                    try:
+                        buffer.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            buffer.put(_DONE)
+        except BaseException as exc:  # surfaced in the consumer, never swallowed
+            buffer.put(exc)
+
+    thread = threading.Thread(target=produce, name="ray_jax_train-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = buffer.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,73 @@
+"""JaxTrainer: Ray Train V2's DataParallelTrainer with a real jax.distributed backend on every platform."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional, Union
+
+from ray.train import DataConfig
+from ray.train.v2.api.config import RunConfig, ScalingConfig
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+from ray_jax_train.backend import JaxConfig, resolve_jax_config
+
+
+def check_train_loop(fn: Callable) -> None:
+    """Fail on the driver, not in N workers, when the loop cannot be called as fn() or fn(config)."""
+    if not callable(fn):
+        raise TypeError(f"train_loop_per_worker must be a function, got {type(fn).__name__}.")
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in positional and p.default is inspect.Parameter.empty
+    ]
+    if len(required) > 1:
+        raise ValueError(
+            f"train_loop_per_worker {getattr(fn, '__name__', fn)!r} takes {len(required)} required arguments "
+            f"{required}; it must take none or one (the train_loop_config dict). Put everything else in "
+            "train_loop_config, or give the extra arguments defaults / bind them with functools.partial."
+        )
+
+
+class JaxTrainer(DataParallelTrainer):
+    """Runs `train_loop_per_worker` on N workers that form one `jax.distributed` job.
+
+    A drop-in superset of `ray.train.v2.jax.JaxTrainer`: same arguments, but CPU workers are connected too
+    (gloo collectives), GPU workers each see only their own GPUs, `scaling_config` may be omitted (one
+    worker), and `jax_config` adds CPU device counts, a mesh, and JAX/XLA settings for the workers.
+    """
+
+    def __init__(
+        self,
+        train_loop_per_worker: Union[Callable[[], Any], Callable[[Dict], Any]],
+        *,
+        train_loop_config: Optional[Dict] = None,
+        jax_config: Optional[JaxConfig] = None,
+        scaling_config: Optional[ScalingConfig] = None,
+        dataset_config: Optional[DataConfig] = None,
+        run_config: Optional[RunConfig] = None,
+        datasets: Optional[Dict[str, Any]] = None,
+        validation_config=None,
+    ):
+        check_train_loop(train_loop_per_worker)
+        scaling_config = scaling_config or ScalingConfig(num_workers=1)
+        if jax_config is not None and not isinstance(jax_config, JaxConfig):
+            # Ray's own JaxConfig carries only use_tpu/use_gpu: keep their meaning.
+            jax_config = JaxConfig(
+                use_tpu=getattr(jax_config, "use_tpu", False), use_gpu=getattr(jax_config, "use_gpu", False)
+            )
+        jax_config = resolve_jax_config(jax_config, scaling_config, run_config)
+        super().__init__(
+            train_loop_per_worker=train_loop_per_worker,
+            train_loop_config=train_loop_config,
+            backend_config=jax_config,
+            scaling_config=scaling_config,
+            dataset_config=dataset_config,
+            run_config=run_config,
+            datasets=datasets,
+            validation_config=validation_config,
+        )
+
+    @property
+    def jax_config(self) -> JaxConfig:
+        return self.backend_config
