@@ -246,7 +246,11 @@ class LlamaForCausalLM(nnx.Module):
 
 
 def create_model(config: LlamaConfig, *, lazy: bool = False, rngs: Optional[nnx.Rngs] = None) -> LlamaForCausalLM:
-    """Build the model; ``lazy=True`` gives an abstract model (ShapeDtypeStructs, no device memory)."""
+    """Build the model (seeded by ``config.seed`` unless ``rngs`` is given).
+
+    ``lazy=True`` gives an abstract model (ShapeDtypeStructs, no device memory), from which shardings
+    can be derived before weights are materialised or loaded.
+    """
     if lazy:
         seed = config.seed
         return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(seed)))
