@@ -54,7 +54,8 @@ def canonical_dtype(value: Any, field: str = "dtype") -> str:
 
             name = np.dtype(value).name
         except Exception:
-            name = getattr(value, "__name__", None) or getattr(value, "name", None)
+            # e.g. torch.bfloat16, whose str() is "torch.bfloat16"
+            name = str(value).split(".")[-1].lower() if value is not None else None
     canon = _DTYPE_ALIASES.get(name) if name is not None else None
     if canon is None:
         raise ValueError(

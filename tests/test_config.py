@@ -1,0 +1,149 @@
+"""LlamaConfig validation / HF conversion and EasyDeL-style scaled configs."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from ray_jax_train.config import DEFAULT_SCALING_VARIABLES, LlamaConfig, MeshSpec, ModelScaling, canonical_dtype
+
+
+def test_derived_fields_and_dtypes():
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, dtype=jnp.bfloat16, param_dtype="fp32")
+    assert cfg.head_dim == 16 and cfg.num_key_value_heads == 4 and cfg.num_key_value_groups == 1
+    assert cfg.dtype == "bfloat16" and cfg.param_dtype == "float32"
+    assert cfg.jnp_dtype == jnp.bfloat16 and cfg.jnp_param_dtype == jnp.float32
+    assert canonical_dtype(np.float16) == "float16"
+    assert canonical_dtype(jnp.dtype("bfloat16")) == "bfloat16"
+    # Explicit head_dim lifts the divisibility requirement (Mistral/Qwen3-style layouts).
+    assert LlamaConfig(hidden_size=60, num_attention_heads=4, head_dim=32).head_dim == 32
+    hash(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0}))  # usable as static jit data
+
+
+def test_hidden_not_divisible_by_heads():
+    with pytest.raises(ValidationError, match=r"hidden_size=100 is not divisible by num_attention_heads=8.*head_dim"):
+        LlamaConfig(hidden_size=100, num_attention_heads=8)
+
+
+def test_kv_heads_must_divide_heads():
+    with pytest.raises(ValidationError, match=r"num_key_value_heads=3 does not divide num_attention_heads=8.*1, 2, 4, 8"):
+        LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("bad", ["float33", "int8", "complex64", 3])
+def test_bad_dtype(bad):
+    with pytest.raises(ValidationError, match=r"dtype=.* is not a supported dtype; use one of float32, bfloat16, float16"):
+        LlamaConfig(dtype=bad)
+    with pytest.raises(ValidationError, match=r"param_dtype="):
+        LlamaConfig(param_dtype=bad)
+
+
+def test_unknown_field_and_model_type_rejected():
+    with pytest.raises(ValidationError, match="hidden_sise"):
+        LlamaConfig(hidden_sise=64)
+    with pytest.raises(ValidationError, match=r"model_type='gpt2' is not supported; use one of llama, mistral, qwen2"):
+        LlamaConfig(model_type="gpt2")
+
+
+def test_json_round_trip_exact(tmp_path):
+    cfg = LlamaConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      dtype=jnp.bfloat16, param_dtype=jnp.float16, eos_token_id=[1, 2], remat=True,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    cfg.save_json(tmp_path / "c.json")
+    back = LlamaConfig.load_json(tmp_path / "c.json")
+    assert back == cfg
+    assert back.dtype == "bfloat16" and back.param_dtype == "float16"
+    assert json.loads((tmp_path / "c.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_hf_conversion_round_trip():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0,
+                                  tie_word_embeddings=True)
+    cfg = LlamaConfig.from_hf(hf)
+    assert (cfg.model_type, cfg.attention_bias, cfg.attention_out_bias) == ("qwen2", True, False)
+    assert cfg.rope_theta == 5000.0 and cfg.tie_word_embeddings and cfg.head_dim == 16
+    back = cfg.to_hf_config()
+    assert type(back) is transformers.Qwen2Config
+    assert back.rope_parameters["rope_theta"] == 5000.0 and back.num_key_value_heads == 2
+    assert LlamaConfig.from_hf(back.to_dict()) == cfg
+    # Llama's attention_bias means biases on q/k/v *and* o.
+    llama = LlamaConfig.from_hf(transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, attention_bias=True))
+    assert llama.attention_bias and llama.attention_out_bias
+    with pytest.raises(ValueError, match="model_type='qwen2'"):
+        llama.replace(attention_out_bias=False).to_hf_dict()
+    with pytest.raises(ValueError, match="gpt2.*supported model types"):
+        LlamaConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_scaling_dimensions():
+    scaling = ModelScaling(base={"vocab_size": 1000, "num_hidden_layers": 2})
+    assert scaling.scaling_variables == DEFAULT_SCALING_VARIABLES
+    c1, c3 = scaling.create_config(1), scaling.create_config(3)
+    assert (c1.hidden_size, c1.intermediate_size, c1.num_attention_heads, c1.num_key_value_heads) == (256, 1024, 2, 1)
+    assert (c3.hidden_size, c3.intermediate_size, c3.num_attention_heads, c3.num_key_value_heads) == (768, 3072, 6, 3)
+    assert c1.head_dim == c3.head_dim == 128
+    for c in (c1, c3):  # fixed variables do not scale
+        assert (c.vocab_size, c.num_hidden_layers, c.max_position_embeddings) == (1000, 2, 8192)
+        assert (c.dtype, c.param_dtype, c.seed, c.initializer_range) == ("bfloat16", "float32", 0, 0.02)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_scaling_index_must_be_positive_int(bad):
+    with pytest.raises(ValueError, match=r"scaling_index=.* must be an integer >= 1"):
+        ModelScaling().create_config(bad)
+
+
+def test_scaling_json_round_trip_exact(tmp_path):
+    scaling = ModelScaling(
+        model_type="mistral", base={"vocab_size": 512, "num_hidden_layers": 3, "tie_word_embeddings": True},
+        config_scaling_variables={"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2},
+        dtype=jnp.float16, param_dtype=jnp.bfloat16, seed=654, max_position_embeddings=2048,
+        initializer_range=0.01, sharding_axis_names=("dp", "fsdp", "sp", "tp"), sharding_axis_dims=(2, -1, 1, 2),
+    )
+    scaling.save_json(tmp_path / "s.json")
+    back = ModelScaling.load_json(tmp_path / "s.json")
+    assert back == scaling
+    assert back.create_config(2) == scaling.create_config(2)
+    assert (back.dtype, back.param_dtype) == ("float16", "bfloat16")
+    assert back.mesh.axis_names == ("dp", "fsdp", "sp", "tp") and back.mesh.axis_dims == (2, -1, 1, 2)
+
+
+def test_scaling_rejects_inconsistent_variables():
+    with pytest.raises(ValidationError, match="num_key_value_heads=2 does not divide num_attention_heads=3"):
+        ModelScaling(scaling_variables={"hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 3,
+                                        "num_key_value_heads": 2})
+    with pytest.raises(ValidationError, match="'rms_norm_eps' cannot be scaled"):
+        ModelScaling(scaling_variables={**DEFAULT_SCALING_VARIABLES, "rms_norm_eps": 1})
+    with pytest.raises(ValidationError, match="'dtype' is also set"):
+        ModelScaling(base={"dtype": "float32"})
+
+
+def test_mesh_inference_and_errors():
+    assert MeshSpec().shape(8) == {"dp": 1, "fsdp": 8, "tp": 1}
+    assert MeshSpec(axis_names=("dp", "tp"), axis_dims=(-1, 2)).resolve(8) == (4, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        MeshSpec(axis_dims=(1, -1, 3)).resolve(8)
+    with pytest.raises(ValidationError, match="more than one -1"):
+        MeshSpec(axis_dims=(-1, -1, 1))
+    with pytest.raises(ValidationError, match="same length"):
+        MeshSpec(axis_dims=(1, -1))
+
+
+def test_create_model_lazy_has_no_arrays():
+    import jax
+    from flax import nnx
+
+    from ray_jax_train.models import count_params, num_params
+
+    scaling = ModelScaling(base={"vocab_size": 1000, "num_hidden_layers": 2})
+    model = scaling.create_model(scaling_index=2, lazy=True)
+    leaves = jax.tree.leaves(nnx.state(model))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert model.layers[0].self_attn.q_proj.kernel.get_value().shape == (512, 512)
+    assert model.layers[0].self_attn.q_proj.kernel.get_value().dtype == jnp.float32  # param_dtype
+    assert num_params(model) == count_params(scaling.create_config(2))
