@@ -36,7 +36,7 @@ def _column_values(batch: Any, name: str) -> list:
 class TokenizeAndPack:
     """Ray Data callable class: raw rows in, packed ``seq_len`` rows out (see ``packing.py``).
 
-    ``tokenizer`` is a tokenizer, a local directory to load one from, or an ``ObjectRef`` to one;
+    ``tokenizer`` is a tokenizer, a local directory to load one from, or ``[ObjectRef]`` to one;
     it is resolved once in ``__init__``, i.e. once per Ray Data actor.
     """
 
@@ -46,8 +46,8 @@ class TokenizeAndPack:
                  pad_id: int | None = None):
         import ray
 
-        if isinstance(tokenizer, ray.ObjectRef):
-            tokenizer = ray.get(tokenizer)
+        if isinstance(tokenizer, list):  # [ObjectRef], see tokenize_and_pack
+            tokenizer = ray.get(tokenizer[0])
         self.tokenizer = load_tokenizer(tokenizer)
         self.seq_len = seq_len
         self.text_column = text_column
@@ -77,15 +77,17 @@ class TokenizeAndPack:
 def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "text",
                       messages_column: str = "messages", add_bos: bool = True,
                       max_position_embeddings: int | None = None, truncation: bool = False,
-                      batch_size: int = 1024, concurrency: int | tuple[int, int] | None = 1,
+                      batch_size: int = 1024, concurrency: int | tuple[int, int] = 1,
                       num_cpus: float = 1, check_not_empty: bool = True):
     """Return a Ray dataset of packed rows built from ``dataset``'s text or messages column.
 
     Problems visible from the driver (missing column, empty dataset, messages without a usable
     chat template, seq_len beyond the position table) raise here, before any worker starts.
-    A messages column wins over a text column when both exist.
+    A messages column wins over a text column when both exist. ``concurrency`` is the number of
+    tokenising actors, or (min, max) to autoscale; ``batch_size`` rows form one packing window.
     """
     import ray
+    import ray.data
 
     tok = load_tokenizer(tokenizer)
     pad_id = ensure_pad_token(tok).pad_token_id
@@ -95,10 +97,15 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         check_chat_template(tok)
     if check_not_empty and not dataset.take(1):
         raise EmptyDatasetError("the dataset has no rows")
-    handle = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else ray.put(tok)
+    # One copy in the object store, fetched once per actor. The ref is nested in a list so Ray
+    # inlines the constructor args (keeping actor restarts possible) instead of resolving it.
+    handle = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else [ray.put(tok)]
+    if isinstance(concurrency, tuple):
+        compute = ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    else:
+        compute = ray.data.ActorPoolStrategy(size=concurrency)
     return dataset.map_batches(
-        TokenizeAndPack, batch_size=batch_size, batch_format="pyarrow", concurrency=concurrency,
-        num_cpus=num_cpus,
+        TokenizeAndPack, batch_size=batch_size, batch_format="pyarrow", compute=compute, num_cpus=num_cpus,
         fn_constructor_args=(handle, seq_len),
         fn_constructor_kwargs=dict(text_column=text_column, messages_column=messages_column, kind=kind,
                                    add_bos=add_bos, max_position_embeddings=max_position_embeddings,

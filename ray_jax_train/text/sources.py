@@ -54,11 +54,34 @@ def _read_paths(paths: Sequence[str], format: str | None):
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
 
 
+def _from_hf_dataset(source):
+    """An in-memory/local HF ``Dataset`` as a Ray dataset, without touching the network.
+
+    ``ray.data.from_huggingface`` first asks the Hub for parquet URLs (network, and an ``aiohttp``
+    import that may not be installed) and only then falls back to the dataset's Arrow table; we go
+    straight to that table. ``with_format("arrow")[:]`` applies any select/shuffle index mapping.
+    """
+    import ray.data
+
+    return ray.data.from_arrow(source.with_format("arrow")[:])
+
+
+def _from_hf_iterable(source):
+    """A streaming HF ``IterableDataset``, read lazily by Ray's own Hugging Face datasource."""
+    import ray.data
+
+    try:
+        from ray.data._internal.datasource.huggingface_datasource import HuggingFaceDatasource
+    except ImportError:  # pragma: no cover - internal path moved; the public API still works online
+        return ray.data.from_huggingface(source)
+    return ray.data.read_datasource(HuggingFaceDatasource(dataset=source))
+
+
 def load_text_dataset(source: Any, *, format: str | None = None):
     """Return ``source`` as a ``ray.data.Dataset``.
 
-    Accepts a ``ray.data.Dataset`` (returned as is), a Hugging Face ``datasets.Dataset`` or
-    ``IterableDataset`` (via ``ray.data.from_huggingface``), a list of row dicts, or local
+    Accepts a ``ray.data.Dataset`` (returned as is), a Hugging Face ``datasets.Dataset`` (its
+    Arrow table) or ``IterableDataset`` (streamed), a list of row dicts, or local
     file/directory path(s) of ``.jsonl``/``.json`` (JSON lines), ``.parquet`` or ``.txt`` (one
     row per line, column ``text``). ``format`` overrides the suffix-based guess.
     """
@@ -77,9 +100,9 @@ def load_text_dataset(source: Any, *, format: str | None = None):
         if isinstance(source, hf_datasets.Dataset):
             if len(source) == 0:
                 raise EmptyDatasetError("the Hugging Face dataset has no rows")
-            return ray.data.from_huggingface(source)
+            return _from_hf_dataset(source)
         if isinstance(source, hf_datasets.IterableDataset):
-            return ray.data.from_huggingface(source)
+            return _from_hf_iterable(source)
     if isinstance(source, (str, os.PathLike)):
         return _read_paths([os.fspath(source)], format)
     if isinstance(source, (list, tuple)):

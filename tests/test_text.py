@@ -1,0 +1,339 @@
+"""Text pipeline: exact packing/loss masks, chat masks, local tokenizers, Ray Data end to end, errors."""
+import copy
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from ray_jax_train.text import (
+    DEFAULT_CHAT_TEMPLATE, PACKED_KEYS, EmptyDatasetError, MissingColumnError, NoChatTemplateError,
+    SequenceTooLongError, TokenizeAndPack, build_lm_dataset, encode_chats, encode_texts, ensure_pad_token,
+    extract_column_names, load_text_dataset, local_corpus, pack_documents, process_messages_data,
+    process_sample_data, tokenize_and_pack, train_tokenizer)
+
+EOS = 2
+
+# ---------------------------------------------------------------- pure packing (no tokenizer)
+
+
+def test_pack_two_documents_exact():
+    out = pack_documents([[5, 6, 7, EOS], [8, 9, EOS]], 8)
+    assert set(out) == set(PACKED_KEYS)
+    assert all(v.dtype == np.int32 and v.shape == (1, 8) for v in out.values())
+    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7, EOS, 8, 9, EOS, 0]])
+    np.testing.assert_array_equal(out["targets"], [[6, 7, EOS, 0, 9, EOS, 0, 0]])
+    # The eos of document 1 must not learn to predict 8, the first token of document 2.
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 0]])
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3, 0, 1, 2, 0]])
+
+
+def test_pack_first_fit_backfills_earlier_row_and_uses_pad_id():
+    docs = [[1, 2, 3, EOS], [4, 5, 6, 7, EOS], [8, EOS]]
+    out = pack_documents(docs, 6, pad_id=99)
+    # Doc 2 does not fit after doc 1 (4 + 5 > 6) so opens row 2; doc 3 fits back in row 1.
+    np.testing.assert_array_equal(out["input_ids"], [[1, 2, 3, EOS, 8, EOS], [4, 5, 6, 7, EOS, 99]])
+    np.testing.assert_array_equal(out["targets"], [[2, 3, EOS, 99, EOS, 99], [5, 6, 7, EOS, 99, 99]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 0]])
+
+
+def test_long_document_splits_with_continuing_positions():
+    doc = list(range(10, 20)) + [EOS]  # 11 tokens, seq_len 4: rows of 4, 4, then the 3-token remainder
+    out = pack_documents([doc], 4)
+    np.testing.assert_array_equal(out["input_ids"], [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, EOS, 0]])
+    # The last token of a piece still predicts the next piece's first token: same document.
+    np.testing.assert_array_equal(out["targets"], [[11, 12, 13, 14], [15, 16, 17, 18], [19, EOS, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 0]])
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+
+
+def test_document_exactly_seq_len_fills_one_row():
+    out = pack_documents([[3, 4, 5, EOS], [6, EOS]], 4)
+    np.testing.assert_array_equal(out["input_ids"], [[3, 4, 5, EOS], [6, EOS, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0], [1, 0, 0, 0]])
+
+
+def test_label_mask_is_shifted_onto_targets():
+    # Tokens 7, 8, eos are trainable (e.g. an assistant reply); 5, 6 are prompt.
+    out = pack_documents([[5, 6, 7, 8, EOS]], 6, label_masks=[[0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(out["targets"], [[6, 7, 8, EOS, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[0, 1, 1, 1, 0, 0]])
+
+
+def test_tiny_and_empty_documents_are_dropped():
+    assert pack_documents([], 4)["input_ids"].shape == (0, 4)
+    out = pack_documents([[EOS], [], [7, EOS]], 4)
+    np.testing.assert_array_equal(out["input_ids"], [[7, EOS, 0, 0]])
+
+
+def test_truncation_cuts_to_max_position_embeddings():
+    out = pack_documents([[1, 2, 3, 4, 5, 6, EOS]], 8, max_position_embeddings=4, truncation=True)
+    np.testing.assert_array_equal(out["input_ids"], [[1, 2, 3, 4, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0, 0, 0, 0, 0]])
+
+
+def test_too_long_without_truncation_is_an_error():
+    with pytest.raises(SequenceTooLongError, match=r"document 1 has 7 tokens.*max_position_embeddings=4.*truncation=True"):
+        pack_documents([[1, EOS], [1, 2, 3, 4, 5, 6, EOS]], 8, max_position_embeddings=4)
+    # At the limit is fine.
+    assert pack_documents([[1, 2, 3, EOS]], 8, max_position_embeddings=4)["input_ids"].shape == (1, 8)
+
+
+def test_random_packing_invariants():
+    """Random lengths: every token comes back once, at its position, with loss exactly on real next tokens."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=80)
+    # Token 1000 * (doc + 1) + offset names its document and offset, so every row can be audited.
+    docs = [1000 * (i + 1) + np.arange(n) for i, n in enumerate(lengths)]
+    out = pack_documents(docs, 16, pad_id=0)
+    ids, real = out["input_ids"], out["segment_ids"] > 0
+    doc_of, offset = ids // 1000 - 1, ids % 1000
+    kept = [i for i, n in enumerate(lengths) if n >= 2]
+    assert sorted(ids[real].tolist()) == sorted(np.concatenate([docs[i] for i in kept]).tolist())
+    np.testing.assert_array_equal(out["positions"][real], offset[real])
+    has_next = real & (offset < lengths[np.maximum(doc_of, 0)] - 1)
+    np.testing.assert_array_equal(out["loss_mask"], has_next.astype(np.int32))
+    np.testing.assert_array_equal(out["targets"][has_next], ids[has_next] + 1)
+    assert np.all(out["targets"][~has_next] == 0) and np.all(ids[~real] == 0)
+    for r in range(ids.shape[0]):  # one segment per document piece, numbered 1, 2, ... in row order
+        segs = out["segment_ids"][r][real[r]]
+        assert np.all(np.diff(segs) >= 0) and segs[0] == 1
+        for s in np.unique(segs):
+            assert len(set(doc_of[r][out["segment_ids"][r] == s].tolist())) == 1
+        assert len(set(doc_of[r][real[r]].tolist())) == len(np.unique(segs))
+
+
+# ---------------------------------------------------------------- tokenizer and chat
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(local_corpus(max_total_chars=40_000), vocab_size=512)
+
+
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6."}]
+
+
+def test_tokenizer_has_special_tokens_and_roundtrips(tokenizer):
+    assert {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token} == {"<|bos|>", "<|eos|>", "<|pad|>"}
+    assert len({tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}) == 3
+    text = "def f(x):\n    return x  # ünïcödé ☃"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text  # byte-level: nothing is unknown
+    assert tokenizer.bos_token_id not in ids and tokenizer.eos_token_id not in ids
+
+
+def test_tokenizer_save_and_reload_offline(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    text = "import os\nprint(os.getcwd())"
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert (again.bos_token_id, again.eos_token_id, again.pad_token_id) == \
+           (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert again.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert encode_chats(again, [CHAT])[1][0].tolist() == encode_chats(tokenizer, [CHAT])[1][0].tolist()
+
+
+def test_ensure_pad_token_falls_back_to_eos_with_warning(tokenizer, caplog):
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.text.tokenizer"):
+        ensure_pad_token(tok)
+    assert tok.pad_token_id == tok.eos_token_id
+    assert "no pad token" in caplog.text
+    caplog.clear()
+    ensure_pad_token(tokenizer)  # already has one: unchanged, silent
+    assert tokenizer.pad_token == "<|pad|>" and caplog.text == ""
+
+
+def test_chat_label_mask_covers_exactly_assistant_tokens(tokenizer):
+    docs, masks = encode_chats(tokenizer, [CHAT])
+    ids, mask = docs[0], masks[0]
+    eos = tokenizer.eos_token
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    expected = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
+                for m in CHAT if m["role"] == "assistant"]
+    assert ids[mask == 1].tolist() == expected[0] + expected[1]
+    assert tokenizer.decode(ids[mask == 1]) == f"It is 4.{eos}6.{eos}"
+    # After packing, the loss falls on targets that are assistant tokens, and only those.
+    out = pack_documents(docs, 64, label_masks=masks, pad_id=tokenizer.pad_token_id)
+    loss = out["loss_mask"][0] == 1
+    assert out["targets"][0][loss].tolist() == expected[0] + expected[1]
+    assert loss.sum() == mask.sum()
+
+
+def test_messages_without_chat_template_is_an_error(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = None
+    with pytest.raises(NoChatTemplateError, match="no chat template.*chat_template ="):
+        encode_chats(tok, [CHAT])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(NoChatTemplateError, match="generation"):
+        encode_chats(tok, [CHAT])
+    with pytest.raises(NoChatTemplateError):
+        process_messages_data(tok, CHAT, 16)
+
+
+# ---------------------------------------------------------------- corpus and single-sample helpers
+
+
+def test_local_corpus_is_deterministic_and_capped():
+    a = list(local_corpus(max_docs=5, max_doc_chars=500))
+    assert a == list(local_corpus(max_docs=5, max_doc_chars=500))
+    assert len(a) == 5 and all(0 < len(d) <= 500 for d in a)
+    b = list(local_corpus(max_total_chars=1234))
+    assert sum(map(len, b)) == 1234
+    docs = list(local_corpus(kind="docstrings", max_docs=3))
+    assert len(docs) == 3 and all("import " not in d.splitlines()[0] for d in docs)
+
+
+def test_process_sample_data_padding_and_truncation(tokenizer):
+    ids = encode_texts(tokenizer, ["hello world"])[0].tolist()
+    n, pad = len(ids), tokenizer.pad_token_id
+    left = process_sample_data(tokenizer, "hello world", n + 3, padding_side="left")
+    assert left["input_ids"].dtype == np.int32 and left["input_ids"].shape == (n + 3,)
+    assert left["input_ids"].tolist() == [pad] * 3 + ids
+    assert left["attention_mask"].tolist() == [0] * 3 + [1] * n
+    right = process_sample_data(tokenizer, {"text": "hello world"}, n + 3, padding_side="right")
+    assert right["input_ids"].tolist() == ids + [pad] * 3
+    assert right["attention_mask"].tolist() == [1] * n + [0] * 3
+    # Left keeps the end (prompts), right keeps the start.
+    assert process_sample_data(tokenizer, "hello world", 2, "left")["input_ids"].tolist() == ids[-2:]
+    assert process_sample_data(tokenizer, "hello world", 2, "right")["input_ids"].tolist() == ids[:2]
+    with pytest.raises(SequenceTooLongError, match="max_length=2"):
+        process_sample_data(tokenizer, "hello world", 2, truncation=False)
+    with pytest.raises(MissingColumnError, match=r"\['prompt'\]"):
+        process_sample_data(tokenizer, {"prompt": "hi"}, 8)
+
+
+def test_process_messages_data(tokenizer):
+    prompt = CHAT[:2]
+    out = process_messages_data(tokenizer, prompt, 64, "left", add_generation_prompt=True)
+    real = out["input_ids"][out["attention_mask"] == 1]
+    header = tokenizer("<|assistant|>\n")["input_ids"]
+    assert real[-len(header):].tolist() == header
+    assert real[0] == tokenizer.bos_token_id and out["attention_mask"][0] == 0
+    full = process_sample_data(tokenizer, {"messages": CHAT}, 64, "right")
+    assert full["input_ids"][full["attention_mask"] == 1].tolist() == encode_chats(tokenizer, [CHAT])[0][0].tolist()
+
+
+def test_extract_column_names_hf_and_dict():
+    import datasets
+
+    hf = datasets.Dataset.from_list([{"text": "a", "id": 1}])
+    assert extract_column_names(hf) == ["text", "id"]
+    assert extract_column_names({"messages": [], "x": []}) == ["messages", "x"]
+    with pytest.raises(ValueError, match="DatasetDict"):
+        extract_column_names(datasets.DatasetDict({"train": hf}))
+
+
+def test_tokenize_and_pack_worker_without_ray(tokenizer):
+    """The Ray Data UDF is a plain class: its errors are checked here without paying for Ray."""
+    import pyarrow as pa
+
+    udf = TokenizeAndPack(tokenizer, 16, max_position_embeddings=8)
+    with pytest.raises(SequenceTooLongError, match="max_position_embeddings=8"):
+        udf(pa.table({"text": ["word " * 40]}))
+    out = TokenizeAndPack(tokenizer, 16, max_position_embeddings=8, truncation=True)(pa.table({"text": ["word " * 40, ""]}))
+    assert out["input_ids"].shape == (1, 16) and out["positions"].max() == 7
+    with pytest.raises(MissingColumnError, match=r"\['body'\]"):
+        udf(pa.table({"body": ["x"]}))
+
+
+# ---------------------------------------------------------------- Ray Data
+
+
+def test_end_to_end_jsonl_to_packed_rows(ray_cluster, tokenizer, tmp_path):
+    texts = [f"row {i}: " + "spam and eggs " * (i % 4) for i in range(12)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    seq_len = 64
+    rows = build_lm_dataset(path, tokenizer, seq_len, batch_size=64).take_all()
+    assert rows and all(set(r) == set(PACKED_KEYS) for r in rows)
+    assert all(v.shape == (seq_len,) and v.dtype == np.int32 for r in rows for v in r.values())
+    # All documents fit one row, so every segment is one whole document: compare as multisets.
+    got = sorted(tuple(r["input_ids"][r["segment_ids"] == s].tolist())
+                 for r in rows for s in set(r["segment_ids"].tolist()) - {0})
+    want = sorted(tuple(d.tolist()) for d in encode_texts(tokenizer, texts))
+    assert max(map(len, want)) <= seq_len
+    assert got == want
+    total_loss = sum(int(r["loss_mask"].sum()) for r in rows)
+    assert total_loss == sum(len(d) - 1 for d in want)
+
+
+def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, tokenizer, tmp_path):
+    import datasets
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    convs = [CHAT, CHAT[1:3]]
+    hf = datasets.Dataset.from_list([{"messages": c} for c in convs])
+    assert sum(len(d) for d in encode_chats(tokenizer, convs)[0]) <= 128  # both fit one row
+    rows = build_lm_dataset(hf, str(tmp_path / "tok"), 128).take_all()
+    assert len(rows) == 1
+    r = rows[0]
+    assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
+                 for c in convs for m in c if m["role"] == "assistant"]
+    assert r["targets"][r["loss_mask"] == 1].tolist() == sum(assistant, [])
+    assert r["segment_ids"].max() == 2
+
+
+def test_pipeline_errors(ray_cluster, tokenizer, tmp_path):
+    import datasets
+    import ray
+
+    with pytest.raises(MissingColumnError, match=r"columns are \['body', 'n'\]"):
+        tokenize_and_pack(ray.data.from_items([{"body": "x", "n": 1}]), tokenizer, 16)
+    no_template = copy.deepcopy(tokenizer)
+    no_template.chat_template = None
+    with pytest.raises(NoChatTemplateError, match="no chat template"):
+        build_lm_dataset([{"messages": CHAT}], no_template, 16)
+    with pytest.raises(EmptyDatasetError):
+        build_lm_dataset(datasets.Dataset.from_dict({"text": []}), tokenizer, 16)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(EmptyDatasetError):
+        load_text_dataset(tmp_path / "empty.jsonl")
+    with pytest.raises(EmptyDatasetError):
+        load_text_dataset([])
+    with pytest.raises(EmptyDatasetError, match="no rows"):
+        tokenize_and_pack(ray.data.from_items([{"text": "x"}]).filter(lambda row: False), tokenizer, 16)
+    with pytest.raises(FileNotFoundError):
+        load_text_dataset(tmp_path / "missing.jsonl")
+    # Raised inside a Ray Data worker: the original error name and message still reach the caller.
+    long_ds = build_lm_dataset([{"text": "word " * 100}], tokenizer, 16, max_position_embeddings=32)
+    with pytest.raises(ray.exceptions.RayError) as info:  # Ray Data wraps UDF errors in UserCodeException
+        long_ds.take_all()
+    assert "SequenceTooLongError" in str(info.value) and "max_position_embeddings=32" in str(info.value)
+
+
+def test_load_text_dataset_sources(ray_cluster, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    rows = [{"text": "alpha"}, {"text": "beta"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (tmp_path / "d.txt").write_text("alpha\nbeta\n")
+    (tmp_path / "d.jsonl").write_text('{"text": "alpha"}\n{"text": "beta"}\n')
+    hf = datasets.Dataset.from_list(rows)
+    sources = [tmp_path / "d.parquet", str(tmp_path / "d.txt"), tmp_path / "d.jsonl", rows, hf,
+               hf.to_iterable_dataset(), ray.data.from_items(rows)]
+    datasets_ = [load_text_dataset(source) for source in sources]
+    assert all(extract_column_names(ds) in (["text"], None) for ds in datasets_[3:])  # no file reads
+    # One union, one execution: Ray start-up per execution dominates on a small machine.
+    texts = [r["text"] for r in datasets_[0].union(*datasets_[1:]).take_all()]
+    assert sorted(texts) == sorted(["alpha", "beta"] * len(sources))
+    with pytest.raises(ValueError, match="cannot tell the file format"):
+        load_text_dataset(tmp_path)  # a directory mixing three formats
