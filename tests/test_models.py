@@ -152,8 +152,11 @@ def test_segment_ids_match_separate_documents(hf_dirs):
     packed = np.concatenate([doc_a, doc_b, [0, 0]])[None]  # two docs + 2 pad tokens
     seg = np.array([[1] * 5 + [2] * 4 + [0, 0]])
     out = np.asarray(forward(model, jnp.asarray(packed), segment_ids=jnp.asarray(seg)))
-    ref_a = np.asarray(forward(model, jnp.asarray(doc_a[None])))[0]
-    ref_b = np.asarray(forward(model, jnp.asarray(doc_b[None])))[0]
+    # Both documents alone, as one right-padded batch (one compiled program instead of two).
+    alone = np.stack([doc_a, np.concatenate([doc_b, [0]])])
+    alone_mask = np.array([[1] * 5, [1] * 4 + [0]])
+    ref = np.asarray(forward(model, jnp.asarray(alone), jnp.asarray(alone_mask)))
+    ref_a, ref_b = ref[0], ref[1, :4]
     assert rel_err(out[0, :5], ref_a) < 1e-5
     assert rel_err(out[0, 5:9], ref_b) < 1e-5
     # Explicit positions give the same answer as the ones derived from segment_ids.
@@ -175,9 +178,7 @@ def test_remat_and_bf16(hf_dirs):
     def loss(m):
         return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
 
-    grad = nnx.jit(nnx.grad(loss))
-    g1 = grad(base)
-    g2 = grad(remat)
+    g1, g2 = nnx.jit(lambda a, b: (nnx.grad(loss)(a), nnx.grad(loss)(b)))(base, remat)
     for (p1, a), (p2, b) in zip(nnx.to_flat_state(g1), nnx.to_flat_state(g2)):
         assert p1 == p2
         np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), rtol=1e-4, atol=1e-6)
@@ -249,3 +250,21 @@ def test_create_model_initialises_from_seed():
     np.testing.assert_array_equal(np.asarray(m1.norm.weight.get_value()), np.ones(32, np.float32))
     out = forward(m1, jnp.zeros((1, 4), jnp.int32))
     assert out.shape == (1, 4, 64) and np.isfinite(np.asarray(out)).all()
+
+
+def test_from_pretrained_places_params_with_given_sharding(hf_dirs):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    seen = []
+
+    def sharding(path, shape):
+        seen.append(path)
+        return NamedSharding(mesh, PartitionSpec("fsdp") if len(shape) == 2 else PartitionSpec())
+
+    model = from_pretrained(hf_dirs["mistral"][1], sharding=sharding)
+    kernel = model.layers[0].self_attn.q_proj.kernel.get_value()
+    assert kernel.sharding.spec == PartitionSpec("fsdp")
+    assert ("layers", 1, "mlp", "down_proj", "kernel") in seen and ("lm_head", "kernel") in seen
+    ref = hf_dirs["mistral"][0].model.layers[0].self_attn.q_proj.weight.detach().numpy().T
+    np.testing.assert_array_equal(np.asarray(kernel), ref)
