@@ -330,10 +330,8 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     hf = datasets.Dataset.from_list(rows)
     sources = [tmp_path / "d.parquet", str(tmp_path / "d.txt"), tmp_path / "d.jsonl", rows, hf,
                hf.to_iterable_dataset(), ray.data.from_items(rows)]
-    datasets_ = [load_text_dataset(source) for source in sources]
-    assert all(extract_column_names(ds) in (["text"], None) for ds in datasets_[3:])  # no file reads
-    # One union, one execution: Ray start-up per execution dominates on a small machine.
-    texts = [r["text"] for r in datasets_[0].union(*datasets_[1:]).take_all()]
-    assert sorted(texts) == sorted(["alpha", "beta"] * len(sources))
+    for source in sources:  # separate small executions: a union of 7 reads is much slower here
+        assert sorted(r["text"] for r in load_text_dataset(source).take_all()) == ["alpha", "beta"], source
+    assert extract_column_names(load_text_dataset(rows)) == ["text"]
     with pytest.raises(ValueError, match="cannot tell the file format"):
         load_text_dataset(tmp_path)  # a directory mixing three formats

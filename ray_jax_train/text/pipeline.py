@@ -19,15 +19,17 @@ from .sources import extract_column_names, load_text_dataset, resolve_column
 from .tokenizer import check_chat_template, ensure_pad_token, load_tokenizer
 
 
-def _column_values(batch: Any, name: str) -> list:
+def _batch_columns(batch: Any) -> list[str]:
     if isinstance(batch, Mapping):
-        names = list(batch)
-        values = batch[name] if name in batch else None
-    else:  # pyarrow.Table (the batch_format we ask Ray for) or pandas
-        names = list(getattr(batch, "column_names", None) or batch.columns)
-        values = batch[name] if name in names else None
-    if values is None:
+        return list(batch)
+    return list(getattr(batch, "column_names", None) or batch.columns)  # pyarrow.Table or pandas
+
+
+def _column_values(batch: Any, name: str) -> list:
+    names = _batch_columns(batch)
+    if name not in names:
         raise MissingColumnError(f"column {name!r} is missing from the batch; its columns are {names}")
+    values = batch[name]
     if hasattr(values, "to_pylist"):
         return values.to_pylist()
     return list(values.tolist() if isinstance(values, np.ndarray) else values)
@@ -61,8 +63,7 @@ class TokenizeAndPack:
     def __call__(self, batch: Any) -> dict[str, np.ndarray]:
         kind = self.kind
         if kind is None:
-            names = list(batch) if isinstance(batch, Mapping) else list(getattr(batch, "column_names", None) or batch.columns)
-            kind, _ = resolve_column(names, self.text_column, self.messages_column)
+            kind, _ = resolve_column(_batch_columns(batch), self.text_column, self.messages_column)
         if kind == "messages":
             conversations = [c for c in _column_values(batch, self.messages_column) if c]
             docs, masks = encode_chats(self.tokenizer, conversations)
@@ -91,12 +92,18 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
 
     tok = load_tokenizer(tokenizer)
     pad_id = ensure_pad_token(tok).pad_token_id
-    resolved = resolve_column(extract_column_names(dataset), text_column, messages_column)
+    if check_not_empty:
+        # One small execution answers both questions: is there a row, and what are the columns.
+        first = dataset.take(1)
+        if not first:
+            raise EmptyDatasetError("the dataset has no rows")
+        columns = list(first[0])
+    else:
+        columns = extract_column_names(dataset)
+    resolved = resolve_column(columns, text_column, messages_column)
     kind = resolved[0] if resolved else None
     if kind == "messages":
         check_chat_template(tok)
-    if check_not_empty and not dataset.take(1):
-        raise EmptyDatasetError("the dataset has no rows")
     # One copy in the object store, fetched once per actor. The ref is nested in a list so Ray
     # inlines the constructor args (keeping actor restarts possible) instead of resolving it.
     handle = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else [ray.put(tok)]

@@ -6,8 +6,7 @@ from typing import Any, Sequence
 
 from .errors import EmptyDatasetError, MissingColumnError
 
-# File suffix -> reader. ".json" is read as JSON lines too: a top-level JSON array is rare for
-# training data and Arrow's reader wants one object per line.
+# File suffix -> reader; compressed variants (.jsonl.gz, ...) map like their inner suffix.
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -46,7 +45,8 @@ def _read_paths(paths: Sequence[str], format: str | None):
     if all(os.path.getsize(f) == 0 for f in files):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
     if format == "json":
-        return ray.data.read_json(files, lines=True)
+        # JSON lines stream line by line; a plain .json may also be one top-level array.
+        return ray.data.read_json(files, lines=all(".jsonl" in os.path.basename(f).lower() for f in files))
     if format == "parquet":
         return ray.data.read_parquet(files)
     if format == "text":
@@ -82,8 +82,8 @@ def load_text_dataset(source: Any, *, format: str | None = None):
 
     Accepts a ``ray.data.Dataset`` (returned as is), a Hugging Face ``datasets.Dataset`` (its
     Arrow table) or ``IterableDataset`` (streamed), a list of row dicts, or local
-    file/directory path(s) of ``.jsonl``/``.json`` (JSON lines), ``.parquet`` or ``.txt`` (one
-    row per line, column ``text``). ``format`` overrides the suffix-based guess.
+    file/directory path(s) of ``.jsonl`` (JSON lines), ``.json`` (lines or one array),
+    ``.parquet`` or ``.txt`` (one row per line, column ``text``). ``format`` overrides the suffix-based guess.
     """
     import ray.data
 
