@@ -1,0 +1,52 @@
+"""Host-side agreement between the processes of one jax.distributed job, through its key-value store.
+
+Checkpoint decisions (which checkpoint to restore, whether to save now) must be identical on every process,
+because orbax saves are collective. They go through the coordinator's key-value store rather than a device
+collective so that a process whose restore raised can still take part, and so they never interleave with
+the training step's collectives.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import List
+
+_rounds = itertools.count()
+_TIMEOUT_MS = 10 * 60 * 1000
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> List[str]:
+    """Every process's `value`, in process order. Must be called by all processes in the same order."""
+    if process_count() == 1:
+        return [value]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}"
+    client.key_value_set(f"{key}/{process_index()}", value)
+    return [client.blocking_key_value_get(f"{key}/{p}", timeout_ms) for p in range(process_count())]
+
+
+def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
+    """Process 0's `value` on every process."""
+    if process_count() == 1:
+        return value
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}"
+    if process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, timeout_ms)

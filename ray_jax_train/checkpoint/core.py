@@ -1,0 +1,626 @@
+"""Sharded, asynchronous train-state checkpoints that Ray Train registers and retains.
+
+Design, and why:
+
+* Orbax writes straight into the run's storage directory (`<storage_path>/<run name>/checkpoint_...`). Every
+  process writes only the shards it owns; nothing is gathered on one host and nothing is copied afterwards.
+  For that, all processes must see one directory: a local path on one node, a shared filesystem, or a cloud
+  URI orbax can write (`gs://`, `s3://`).
+* Orbax writes into `<name>.orbax-checkpoint-tmp` and the primary process renames it to `<name>` only after
+  every process has finished, so a final directory is always complete.
+* The checkpoint is reported to Ray with `CheckpointUploadMode.ASYNC` and an "upload" function that only waits
+  for that orbax save to commit and copies nothing. Ray therefore registers a checkpoint only once it is
+  complete (a worker that dies mid-save reports nothing), retention (`CheckpointConfig.num_to_keep`, score
+  attribute/order) stays Ray's, and the step loop goes on while bytes go to storage: Ray runs the wait in
+  its upload thread and keeps reports in order.
+* Names carry the step and a per-incarnation token, so a save repeated after a restart never reuses the
+  path of a checkpoint Ray already tracks (its retention would otherwise delete the new one with the old).
+* Every checkpoint records an order-independent integer checksum of each array. A restore that raises, finds
+  files missing, or reads bytes whose checksum differs is rejected on all processes (they agree through the
+  jax.distributed key-value store) and the previous reported checkpoint is tried, newest first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ray_jax_train.checkpoint import _sync, signals
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "ray_jax_train.checkpoint/1"
+STATE_ITEM, META_ITEM = "state", "meta"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_NAME_RE = re.compile(r"^checkpoint_(\d{9})_([0-9a-f]{8})$")
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint directory that cannot be restored: missing files, unreadable data or a checksum mismatch."""
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `restore` returns: the state in its target shardings plus the bookkeeping saved with it."""
+
+    state: Any
+    step: int
+    data_state: Any
+    path: str
+    metadata: Dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Where checkpoints live
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Location:
+    filesystem: Any  # pyarrow.fs.FileSystem
+    fs_path: str  # path on `filesystem`
+    uri: str  # the same place as orbax/tensorstore address it
+
+    def child(self, name: str) -> "_Location":
+        return _Location(self.filesystem, f"{self.fs_path.rstrip('/')}/{name}", f"{self.uri.rstrip('/')}/{name}")
+
+
+def _uri_for(filesystem, fs_path: str) -> str:
+    import pyarrow.fs as pafs
+
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        return fs_path
+    scheme = {"gcs": "gs", "s3": "s3"}.get(getattr(filesystem, "type_name", ""))
+    if scheme:
+        return f"{scheme}://{fs_path.lstrip('/')}"
+    raise ValueError(
+        f"ray_jax_train checkpoints are written by orbax straight into the run directory, but the storage "
+        f"filesystem {type(filesystem).__name__} has no URI orbax can write. Use a local or shared path "
+        "(NFS, Lustre, a mounted bucket) or a gs:// or s3:// storage_path."
+    )
+
+
+def _run_location() -> _Location:
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    fs, path = storage.storage_filesystem, storage.experiment_fs_path
+    return _Location(fs, path, _uri_for(fs, path))
+
+
+def _location_of(checkpoint) -> _Location:
+    """A `ray.train.Checkpoint`, a path or a URI -> a location."""
+    if isinstance(checkpoint, _Location):
+        return checkpoint
+    if hasattr(checkpoint, "filesystem") and hasattr(checkpoint, "path"):
+        return _Location(checkpoint.filesystem, checkpoint.path, _uri_for(checkpoint.filesystem, checkpoint.path))
+    import pyarrow.fs as pafs
+
+    text = str(checkpoint)
+    fs, path = pafs.FileSystem.from_uri(text if "://" in text else _abspath(text))
+    return _Location(fs, path, text if "://" in text else _abspath(text))
+
+
+def _abspath(path: str) -> str:
+    import os
+
+    return os.path.abspath(path)
+
+
+def _exists(loc: _Location, relative: str = "") -> bool:
+    import pyarrow.fs as pafs
+
+    path = loc.fs_path if not relative else f"{loc.fs_path}/{relative}"
+    return loc.filesystem.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def _read_json(loc: _Location, relative: str) -> Any:
+    with loc.filesystem.open_input_stream(f"{loc.fs_path}/{relative}") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checksums
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _unsigned_words(x):
+    """The raw bits of an array as uint32 words (exact, for any dtype of 1 to 8 bytes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = jnp.dtype(x.dtype).itemsize
+    if size > 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _checksum_leaf(x):
+    """Two sums modulo 2**32 of the array's bits: exact, so independent of sharding and reduction order."""
+    import jax.numpy as jnp
+
+    words = _unsigned_words(x)
+    mixed = words * jnp.uint32(2654435761) + (words >> 16)
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
+
+_checksum_jit = None
+
+
+def checksums(state) -> List[Optional[List[int]]]:
+    """Per-leaf checksums of the global arrays of `state` (None for leaves that are not checked)."""
+    import jax
+
+    global _checksum_jit
+    if _checksum_jit is None:
+        _checksum_jit = jax.jit(_checksum_leaf)
+    leaves = jax.tree.leaves(state)
+    pending = []
+    for leaf in leaves:
+        checkable = isinstance(leaf, jax.Array) and leaf.size > 0 and not (
+            jax.process_count() > 1 and leaf.is_fully_addressable and not leaf.is_fully_replicated
+        )
+        try:
+            pending.append(_checksum_jit(leaf) if checkable else None)
+        except TypeError:  # complex or other dtypes without a bit cast: not checked
+            pending.append(None)
+    out = []
+    for value in pending:
+        if value is None:
+            out.append(None)
+        else:
+            out.append([int(v) for v in np.asarray(value.addressable_data(0))])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _PendingSave:
+    def __init__(self, name: str, location: _Location, step: int):
+        self.name, self.location, self.step = name, location, step
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+def abstract_state(state, shardings=None):
+    """`jax.ShapeDtypeStruct`s (with shardings) for `state`, the target `restore` fills.
+
+    `shardings`, a matching pytree of `Sharding`s, moves the target onto a different mesh (elastic resume).
+    """
+    import jax
+
+    def one(leaf, sharding=None):
+        sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    if shardings is None:
+        return jax.tree.map(one, state)
+    return jax.tree.map(one, state, shardings)
+
+
+class JaxCheckpointer:
+    """Saves and restores the whole train state from inside a `JaxTrainer` loop.
+
+    One instance per loop. Every call is collective: all workers call it with the same arguments in the
+    same order.
+
+        ckpt = JaxCheckpointer(save_every=50)
+        restored = ckpt.restore(abstract_state(state))
+        step = 0 if restored is None else restored.step
+        state = state if restored is None else restored.state
+        while step < steps:
+            state = train_step(state, next(batches)); step += 1
+            ckpt.maybe_save(step, state, metrics=lambda: {"loss": float(loss)}, data_state={...})
+        ckpt.close()
+
+    Args:
+        save_every: save when `step % save_every == 0` in `maybe_save` (None: only explicit or preemption saves).
+        async_save: write in the background while training goes on (False: each save blocks until on disk).
+        verify: record per-array checksums and check them on restore.
+        handle_preemption: react to Ray's preemption notice (`ray.train.get_preemption_info`) and to SIGTERM
+            with a checkpoint, checked every `preemption_check_every` steps in `maybe_save` (each check is
+            a small cross-worker agreement, so not every step).
+        exit_after_sigterm_save: after the SIGTERM checkpoint is registered, let the SIGTERM end the worker
+            (Ray then restarts the group from that checkpoint). False keeps training until killed.
+        sigterm_grace_s: after a SIGTERM, exit anyway if no checkpoint was saved within this time.
+    """
+
+    def __init__(
+        self,
+        save_every: Optional[int] = None,
+        *,
+        async_save: bool = True,
+        verify: bool = True,
+        handle_preemption: bool = True,
+        preemption_check_every: int = 10,
+        exit_after_sigterm_save: bool = True,
+        sigterm_grace_s: float = 120.0,
+        timeout_s: float = 600.0,
+    ):
+        if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
+            raise ValueError(f"save_every={save_every!r} must be a positive integer or None.")
+        if not isinstance(preemption_check_every, int) or preemption_check_every < 1:
+            raise ValueError(f"preemption_check_every={preemption_check_every!r} must be a positive integer.")
+        self.save_every = save_every
+        self.async_save = async_save
+        self.verify = verify
+        self.handle_preemption = handle_preemption
+        self.preemption_check_every = preemption_check_every
+        self.exit_after_sigterm_save = exit_after_sigterm_save
+        self.timeout_s = timeout_s
+        self._orbax = None
+        self._lock = threading.Lock()
+        self._pending: Optional[_PendingSave] = None
+        self._token: Optional[str] = None
+        self._last_saved_step: Optional[int] = None
+        self._ray_preemption_saved = False
+        self._location: Optional[_Location] = None
+        if handle_preemption:
+            signals.install_sigterm_handler(sigterm_grace_s)
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    @property
+    def location(self) -> _Location:
+        if self._location is None:
+            self._location = _run_location()
+        return self._location
+
+    def _checkpointer(self):
+        if self._orbax is None:
+            import orbax.checkpoint as ocp
+
+            self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        return self._orbax
+
+    def _name(self, step: int) -> str:
+        if self._token is None:
+            self._token = _sync.broadcast("token", secrets.token_hex(4))
+        return f"checkpoint_{step:09d}_{self._token}"
+
+    def _finish_pending(self) -> None:
+        """Wait for the save in flight, if any. Caller holds the lock."""
+        pending = self._pending
+        if pending is None or pending.done.is_set():
+            return
+        try:
+            self._checkpointer().wait_until_finished()
+        except BaseException as exc:
+            pending.error = exc
+            raise
+        finally:
+            pending.done.set()
+
+    def _await_commit(self, pending: _PendingSave):
+        """Ray's "upload" function: copy nothing, wait until orbax has committed this save."""
+
+        def upload(checkpoint, _dir_name):
+            if not pending.done.is_set():
+                with self._lock:
+                    if self._pending is pending:
+                        self._finish_pending()
+            pending.done.wait()
+            if pending.error is not None:
+                raise RuntimeError(f"Checkpoint save to {pending.location.uri} failed: {pending.error}") from pending.error
+            if _sync.process_index() == 0 and not _exists(pending.location, "_CHECKPOINT_METADATA"):
+                raise CheckpointCorruptError(f"Orbax reported {pending.location.uri} committed, but it is not there.")
+            return checkpoint
+
+        return upload
+
+    # -- saving -----------------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state,
+        *,
+        metrics: Union[None, Mapping[str, Any], Callable[[], Mapping[str, Any]]] = None,
+        data_state: Any = None,
+        wait: bool = False,
+    ) -> str:
+        """Start saving `state` as of `step` and report it to Ray once it is on storage. Returns its path.
+
+        `metrics` (a dict, or a function returning one so a host sync happens only on save steps) are reported
+        with the checkpoint, with `step` added, so `CheckpointConfig(checkpoint_score_attribute=...)` can use
+        them. `data_state` is any JSON-serialisable position of the input pipeline. `wait=True` blocks until
+        Ray has registered the checkpoint.
+        """
+        import orbax.checkpoint as ocp
+        import ray.train
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        step = int(step)
+        metrics = dict(metrics() if callable(metrics) else (metrics or {}))
+        metrics.setdefault("step", step)
+        if self._last_saved_step == step:
+            logger.info("Step %d is already checkpointed; not saving it twice.", step)
+            if wait:
+                self.wait(registered=True)
+            return self.location.child(self._name(step)).uri
+        name = self._name(step)
+        location = self.location.child(name)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "data_state": data_state,
+            "checksums": checksums(state) if self.verify else None,
+            "process_count": _sync.process_count(),
+            "time": time.time(),
+        }
+        json.dumps(meta)  # fail here, on every worker, if data_state is not JSON-serialisable
+        pending = _PendingSave(name, location, step)
+        with self._lock:
+            self._finish_pending()
+            self._pending = pending
+            self._checkpointer().save(
+                location.uri,
+                args=ocp.args.Composite(
+                    **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
+                ),
+            )
+        self._last_saved_step = step
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint(path=location.fs_path, filesystem=location.filesystem),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=False,
+            checkpoint_upload_fn=self._await_commit(pending),
+        )
+        if wait or not self.async_save:
+            self.wait(registered=wait)
+        return location.uri
+
+    def should_save(self, step: int) -> Tuple[bool, str]:
+        """(save now?, why): periodic, or a preemption notice/SIGTERM agreed across workers."""
+        if self.save_every and step % self.save_every == 0:
+            return True, "periodic"
+        if self.handle_preemption and step % self.preemption_check_every == 0:
+            return self._preemption_requested()
+        return False, ""
+
+    def _preemption_requested(self) -> Tuple[bool, str]:
+        import ray.train
+
+        flags = _sync.allgather("sigterm", "1" if signals.sigterm_received() else "0")
+        if "1" in flags:
+            return True, "sigterm"
+        if self._ray_preemption_saved:
+            return False, ""
+        try:
+            info = ray.train.get_preemption_info()
+        except Exception as exc:  # an older Ray or no watcher: SIGTERM is then the only notice
+            logger.debug("ray.train.get_preemption_info() unavailable: %s", exc)
+            info = None
+        if info is not None:
+            self._ray_preemption_saved = True
+            deadline = f" (deadline in {info.deadline_ms / 1000 - time.time():.0f}s)" if info.deadline_ms else ""
+            logger.warning("Preemption notice for ranks %s%s: saving a checkpoint.", info.preempted_ranks, deadline)
+            return True, "preemption"
+        return False, ""
+
+    def maybe_save(
+        self,
+        step: int,
+        state,
+        *,
+        metrics: Union[None, Mapping[str, Any], Callable[[], Mapping[str, Any]]] = None,
+        data_state: Any = None,
+    ) -> bool:
+        """Call once per step (after the step): saves when `should_save(step)`. Returns whether it saved."""
+        signals.maybe_inject_fault(step)
+        save, why = self.should_save(step)
+        if not save:
+            return False
+        preempted = why in ("sigterm", "preemption")
+        self.save(step, state, metrics=metrics, data_state=data_state, wait=preempted)
+        if why == "sigterm" and self.exit_after_sigterm_save and signals.sigterm_received():
+            logger.warning("Checkpoint for step %d registered after SIGTERM; exiting this worker.", step)
+            signals.release_sigterm()
+        return True
+
+    def wait(self, registered: bool = False) -> None:
+        """Block until the save in flight is on storage (and, with `registered`, until Ray has registered it)."""
+        with self._lock:
+            self._finish_pending()
+        if registered:
+            import ray.train
+            from ray.train.v2.api.report_config import CheckpointConsistencyMode
+
+            ray.train.get_all_reported_checkpoints(
+                consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=self.timeout_s
+            )
+
+    def close(self) -> None:
+        """Wait for the last save. (Ray also waits for it before the worker finishes.)"""
+        self.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+
+    # -- restoring --------------------------------------------------------------------------------------------
+
+    def restore(self, target, checkpoint=None, *, fallback: bool = True, cleanup: bool = True) -> Optional[Restored]:
+        """Restore into `target` (a pytree of `jax.ShapeDtypeStruct` with shardings, see `abstract_state`).
+
+        Source: `checkpoint` (a `ray.train.Checkpoint`, path or URI) if given, else the run's latest checkpoint
+        (`ray.train.get_checkpoint()`); None when there is none (a fresh start). Arrays are read straight
+        into their target shardings, so the target may be on a different mesh or number of workers than the
+        saving run. If the latest checkpoint is corrupt or partial, the previous reported ones are tried,
+        newest first (`fallback`). `cleanup` removes, on a fresh incarnation, orbax temporary directories and
+        checkpoint directories Ray never registered (left by a worker that died mid-save).
+        """
+        import ray.train
+
+        if checkpoint is not None:
+            return self._restore_first([_location_of(checkpoint)], target, explicit=True)
+        latest = ray.train.get_checkpoint()
+        reported = self._reported_locations() if (fallback or cleanup) else []
+        if cleanup and _sync.process_index() == 0:
+            self._remove_orphans(reported + ([_location_of(latest)] if latest is not None else []))
+        if latest is None:
+            return None
+        candidates = [_location_of(latest)]
+        if fallback:
+            candidates += [loc for loc in reported if loc.fs_path != candidates[0].fs_path]
+        return self._restore_first(candidates, target, explicit=False)
+
+    def _reported_locations(self) -> List[_Location]:
+        """Ray's registered checkpoints, newest (highest step) first."""
+        import ray.train
+        from ray.train.v2.api.report_config import CheckpointConsistencyMode
+
+        try:
+            reported = ray.train.get_all_reported_checkpoints(
+                consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=self.timeout_s
+            )
+        except Exception as exc:
+            logger.warning("Could not list the run's reported checkpoints (%s); no fallback available.", exc)
+            return []
+
+        def order(item):
+            step = (item.metrics or {}).get("step")
+            match = _NAME_RE.match(item.checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
+            return int(step) if step is not None else (int(match.group(1)) if match else -1)
+
+        return [_location_of(r.checkpoint) for r in sorted(reported, key=order, reverse=True)]
+
+    def _remove_orphans(self, keep: Sequence[_Location]) -> None:
+        """Delete our checkpoint directories that Ray does not track, and orbax temporaries (process 0 only)."""
+        import pyarrow.fs as pafs
+
+        root = self.location
+        keep_names = {loc.fs_path.rstrip("/").rsplit("/", 1)[-1] for loc in keep}
+        try:
+            entries = root.filesystem.get_file_info(pafs.FileSelector(root.fs_path, allow_not_found=True))
+        except Exception as exc:
+            logger.warning("Could not list %s for cleanup: %s", root.fs_path, exc)
+            return
+        for info in entries:
+            if info.type != pafs.FileType.Directory:
+                continue
+            base = info.base_name
+            stale_tmp = TMP_SUFFIX in base and _NAME_RE.match(base.split(TMP_SUFFIX)[0])
+            orphan = _NAME_RE.match(base) and base not in keep_names
+            if stale_tmp or orphan:
+                logger.info("Removing %s (%s).", info.path, "unfinished save" if stale_tmp else "never registered")
+                try:
+                    root.filesystem.delete_dir(info.path)
+                except Exception as exc:
+                    logger.warning("Could not remove %s: %s", info.path, exc)
+
+    def _restore_first(self, candidates: List[_Location], target, explicit: bool) -> Restored:
+        problems = []
+        for i, loc in enumerate(candidates):
+            restored, problem = self._try_restore(loc, target)
+            verdicts = _sync.allgather("restore", "" if problem is None else problem[:500])
+            bad = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
+            if not bad:
+                if i:
+                    logger.warning("Resumed from %s (step %d) after rejecting %d newer checkpoint(s): %s",
+                                   loc.uri, restored.step, i, "; ".join(problems))
+                logger.info("Restored step %d from %s.", restored.step, loc.uri)
+                return restored
+            message = f"{loc.uri} is corrupt or partial ({'; '.join(bad)})"
+            problems.append(message)
+            if not explicit and i + 1 < len(candidates):
+                logger.warning("Checkpoint %s; falling back to the previous checkpoint %s.", message, candidates[i + 1].uri)
+            else:
+                logger.error("Checkpoint %s.", message)
+        raise CheckpointCorruptError(
+            "No usable checkpoint: " + " | ".join(problems)
+            + ("" if explicit else ". Every checkpoint Ray still keeps failed; raise CheckpointConfig(num_to_keep) "
+               "to keep older ones to fall back to.")
+        )
+
+    def _try_restore(self, loc: _Location, target) -> Tuple[Optional[Restored], Optional[str]]:
+        """Restore one checkpoint on this process; (result, None) or (None, what is wrong)."""
+        import orbax.checkpoint as ocp
+
+        try:
+            if not _exists(loc):
+                return None, "the directory does not exist"
+            for required in ("_CHECKPOINT_METADATA", f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
+                if not _exists(loc, required):
+                    return None, f"{required} is missing (an unfinished or damaged save)"
+            meta = _read_json(loc, f"{META_ITEM}/metadata")
+            if meta.get("format") != FORMAT:
+                return None, f"not a ray_jax_train checkpoint (format {meta.get('format')!r})"
+            handler = ocp.CompositeCheckpointHandler()
+            # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
+            # read failed would never reach; agreement happens afterwards through the key-value store instead.
+            import etils.epath as epath
+
+            result = handler.restore(
+                epath.Path(loc.uri),
+                ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)}),
+            )
+            state = result[STATE_ITEM]
+            expected = meta.get("checksums")
+            if self.verify and expected is not None:
+                import jax
+
+                got = checksums(state)
+                paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+                if len(got) != len(expected):
+                    return None, f"the state has {len(got)} arrays but the checkpoint recorded {len(expected)}"
+                wrong = [paths[i] for i, (a, b) in enumerate(zip(got, expected))
+                         if a is not None and b is not None and a != b]
+                if wrong:
+                    return None, f"checksum mismatch in {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}"
+            return Restored(state=state, step=int(meta["step"]), data_state=meta.get("data_state"),
+                            path=loc.uri, metadata=meta), None
+        except Exception as exc:  # any read/decoding failure means this checkpoint is unusable
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Functional API for custom loops
+# ------------------------------------------------------------------------------------------------------------
+
+_default: Optional[JaxCheckpointer] = None
+
+
+def _default_checkpointer() -> JaxCheckpointer:
+    global _default
+    if _default is None:
+        _default = JaxCheckpointer(handle_preemption=False)
+    return _default
+
+
+def save_and_report(step: int, state, *, metrics=None, data_state=None, wait: bool = False) -> str:
+    """Save `state` (asynchronously, sharded) and report it with `metrics` through `ray.train.report`."""
+    return _default_checkpointer().save(step, state, metrics=metrics, data_state=data_state, wait=wait)
+
+
+def restore(target, checkpoint=None, *, fallback: bool = True) -> Optional[Restored]:
+    """Restore into the abstract `target` from `checkpoint` or the run's latest good checkpoint (None if none)."""
+    return _default_checkpointer().restore(target, checkpoint, fallback=fallback)
+
+
+def wait_for_saves() -> None:
+    """Block until the last `save_and_report` is on storage."""
+    if _default is not None:
+        _default.wait()

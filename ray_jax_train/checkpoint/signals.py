@@ -1,0 +1,146 @@
+"""SIGTERM as a preemption notice, and the test-only fault-injection switch.
+
+SIGTERM: the first one only sets a flag; the checkpointer sees it at its next preemption check (agreed across
+all workers, since a save is collective), saves, waits until Ray has registered the checkpoint, and then
+re-raises SIGTERM so that Ray's own handler ends the worker and Ray restarts the group from that checkpoint.
+A second SIGTERM, or `grace_s` without a save, ends the worker the ordinary way.
+
+Python only lets the main thread install signal handlers, and a Ray Train loop runs in a side thread, so the
+handler is installed by a call on the worker actor itself (a plain actor runs its methods on the main thread).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+FAULTS_ENV = "RAY_JAX_TRAIN_FAULTS"
+_FAULT_ACTIONS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}
+
+
+class _SigtermState:
+    installed = False
+    received_at: Optional[float] = None
+    previous = None
+    grace_s = 120.0
+
+
+_sigterm = _SigtermState()
+
+
+def sigterm_received() -> bool:
+    return _sigterm.received_at is not None
+
+
+def _exit_the_ordinary_way(signum=signal.SIGTERM, frame=None):
+    previous = _sigterm.previous
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _handler(signum, frame):
+    if _sigterm.received_at is not None:
+        logger.warning("Second SIGTERM: exiting now.")
+        _exit_the_ordinary_way(signum, frame)
+        return
+    _sigterm.received_at = time.time()
+    logger.warning(
+        "SIGTERM received: a checkpoint will be saved at the next preemption check (then the worker exits; "
+        "exits anyway in %.0fs).", _sigterm.grace_s,
+    )
+    timer = threading.Timer(_sigterm.grace_s, release_sigterm)
+    timer.daemon = True
+    timer.start()
+
+
+def _install_on_main_thread(grace_s: float) -> bool:
+    if _sigterm.installed:
+        return True
+    _sigterm.grace_s = grace_s
+    _sigterm.previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _handler)
+    _sigterm.installed = True
+    return True
+
+
+def install_sigterm_handler(grace_s: float = 120.0) -> bool:
+    """Turn SIGTERM into a save request in this worker. Returns False where it cannot be installed."""
+    if _sigterm.installed:
+        return True
+    if threading.current_thread() is threading.main_thread():
+        return _install_on_main_thread(grace_s)
+    try:
+        import ray
+
+        actor = ray.get_runtime_context().current_actor
+        return bool(ray.get(actor.execute.remote(_install_on_main_thread, grace_s), timeout=60))
+    except Exception as exc:  # never fatal: training goes on, only without SIGTERM saves
+        logger.warning("Could not install the SIGTERM handler (%s); SIGTERM will not trigger a checkpoint.", exc)
+        return False
+
+
+def release_sigterm() -> None:
+    """After the preemption checkpoint (or the grace period): let the pending SIGTERM end the worker."""
+    if _sigterm.received_at is not None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fault injection (tests only)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def parse_faults(spec: str) -> List[Tuple[str, int, int]]:
+    """`"sigkill@7:1,sigterm@12:0"` -> [(action, step, world_rank)]; the rank defaults to 0."""
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            action, rest = item.split("@")
+            step, _, rank = rest.partition(":")
+            faults.append((action.lower(), int(step), int(rank or 0)))
+        except ValueError:
+            raise ValueError(f"{FAULTS_ENV}={spec!r}: {item!r} is not ACTION@STEP[:RANK], e.g. sigkill@7:1.") from None
+        if action.lower() not in _FAULT_ACTIONS:
+            raise ValueError(f"{FAULTS_ENV}: unknown action {action!r}; use one of {sorted(_FAULT_ACTIONS)}.")
+    return faults
+
+
+def maybe_inject_fault(step: int) -> None:
+    """If `RAY_JAX_TRAIN_FAULTS` names this step and this worker's rank, signal this process (once per run).
+
+    Each fault fires once per run: a marker file in the run's storage directory records that it fired, so the
+    restarted group passes the same step. Tests set the variable through `JaxConfig(env_vars=...)`.
+    """
+    spec = os.environ.get(FAULTS_ENV)
+    if not spec:
+        return
+    import ray.train
+
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    for action, at, fault_rank in parse_faults(spec):
+        if at != step or fault_rank != rank:
+            continue
+        storage = context.get_storage()
+        fs = storage.storage_filesystem
+        marker_dir = f"{storage.experiment_fs_path}/.ray_jax_train_faults"
+        marker = f"{marker_dir}/{action}@{at}:{fault_rank}"
+        import pyarrow.fs as pafs
+
+        if fs.get_file_info(marker).type != pafs.FileType.NotFound:
+            continue
+        fs.create_dir(marker_dir, recursive=True)
+        with fs.open_output_stream(marker) as f:
+            f.write(b"fired")
+        logger.warning("Fault injection: %s at step %d on rank %d.", action, step, rank)
+        os.kill(os.getpid(), _FAULT_ACTIONS[action])
+        if action == "sigkill":
+            time.sleep(60)  # never returns: SIGKILL cannot be caught
