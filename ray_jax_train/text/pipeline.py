@@ -83,9 +83,13 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     """Return a Ray dataset of packed rows built from ``dataset``'s text or messages column.
 
     Problems visible from the driver (missing column, empty dataset, messages without a usable
-    chat template, seq_len beyond the position table) raise here, before any worker starts.
-    A messages column wins over a text column when both exist. ``concurrency`` is the number of
-    tokenising actors, or (min, max) to autoscale; ``batch_size`` rows form one packing window.
+    chat template) raise here, before any worker starts.
+    A messages column wins over a text column when both exist. Text documents are
+    ``[bos] + tokens + eos`` (``add_bos``); chat documents are whatever the chat template renders,
+    with loss on assistant tokens only. ``max_position_embeddings`` caps document length (cut
+    with ``truncation=True``, else ``SequenceTooLongError`` from the worker); without it nothing
+    is cut. ``concurrency`` is the number of tokenising actors, or (min, max) to autoscale;
+    ``batch_size`` rows form one packing window.
     """
     import ray
     import ray.data
