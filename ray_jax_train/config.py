@@ -6,7 +6,6 @@ stored as canonical strings ("float32", "bfloat16", "float16") so a config saved
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Annotated, Any, Optional, Union
@@ -419,6 +418,15 @@ class ModelScaling(_Base):
             data = dict(data)
             if "config_scaling_variables" in data:
                 data["scaling_variables"] = data.pop("config_scaling_variables")
+            if "config_variables" in data:
+                # EasyDeL mixes fixed fields and other model fields in one dict; split them.
+                base = dict(data.get("base") or {})
+                for k, v in dict(data.pop("config_variables")).items():
+                    if k in _FIXED_FIELDS or k in ("sharding_axis_names", "sharding_axis_dims"):
+                        data.setdefault(k, v)
+                    else:
+                        base[k] = v
+                data["base"] = base
             names, dims = data.pop("sharding_axis_names", None), data.pop("sharding_axis_dims", None)
             if names is not None or dims is not None:
                 mesh = dict(data.get("mesh") or {})

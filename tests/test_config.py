@@ -113,6 +113,15 @@ def test_scaling_json_round_trip_exact(tmp_path):
     assert back.mesh.axis_names == ("dp", "fsdp", "sp", "tp") and back.mesh.axis_dims == (2, -1, 1, 2)
 
 
+def test_easydel_style_config_variables():
+    scaling = ModelScaling(config_variables={"dtype": jnp.float32, "seed": 654, "vocab_size": 300,
+                                             "num_hidden_layers": 1, "sharding_axis_dims": (1, 1, -1)})
+    assert scaling.dtype == "float32" and scaling.seed == 654 and scaling.mesh.axis_dims == (1, 1, -1)
+    assert scaling.base == {"vocab_size": 300, "num_hidden_layers": 1}
+    with pytest.raises(ValidationError, match="'attn_mechanism' is not a LlamaConfig field"):
+        ModelScaling(config_variables={"attn_mechanism": "flash"})
+
+
 def test_scaling_rejects_inconsistent_variables():
     with pytest.raises(ValidationError, match="num_key_value_heads=2 does not divide num_attention_heads=3"):
         ModelScaling(scaling_variables={"hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 3,
