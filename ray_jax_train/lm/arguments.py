@@ -1,0 +1,158 @@
+"""TrainingArguments: every knob of the built-in causal-LM loop, validated on the driver.
+
+A bad value fails here, with the field and the fix named, before any Ray worker starts. The arguments travel
+to the workers as a plain dict (`model_dump()`), so they must stay JSON-friendly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ray_jax_train.config import canonical_dtype
+
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+class TrainingArguments(BaseModel):
+    """How to train: length, batch, optimiser, precision, cadence, resume, mesh and workers.
+
+    Length: `total_steps`, or `num_epochs` passes over the training data (steps are then counted on the
+    driver from the packed dataset). When both are given, `total_steps` wins and epochs repeat as needed.
+
+    Batch: `batch_size` is the GLOBAL number of sequences per optimizer step (all workers, all
+    micro-batches). It is split into `gradient_accumulation_steps` micro-batches, so activation memory
+    follows `batch_size / gradient_accumulation_steps` while the update is that of the whole batch.
+
+    Precision: `dtype` is the compute dtype and `param_dtype` the stored ("master") weights; None keeps the
+    model config's. `dtype="bfloat16", param_dtype="float32"` is the usual mixed-precision recipe.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    # Length
+    total_steps: Optional[int] = Field(None, ge=1)
+    num_epochs: Optional[int] = Field(None, ge=1)
+
+    # Batch
+    batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_sequence_length: int = Field(512, ge=2)
+    eval_batch_size: Optional[int] = Field(None, ge=1)
+    max_eval_steps: Optional[int] = Field(None, ge=1)
+    shuffle_buffer_size: Optional[int] = Field(None, ge=1)
+
+    # Optimizer (AdamW) and schedule
+    learning_rate: float = Field(3e-4, ge=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_learning_rate_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_epsilon: float = Field(1e-8, gt=0)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+
+    # Precision
+    dtype: Optional[str] = None
+    param_dtype: Optional[str] = None
+
+    # Cadence
+    log_steps: int = Field(10, ge=1)
+    eval_steps: Optional[int] = Field(None, ge=1)
+    save_steps: Optional[int] = Field(None, ge=1)
+    save_total_limit: Optional[int] = Field(None, ge=1)
+    save_final_model: bool = True
+    progress_bar: bool = True
+
+    # Resume and reproducibility
+    resume_if_possible: bool = True
+    seed: int = 0
+    max_failures: int = Field(0, ge=-1)
+
+    # Where and on what
+    output_dir: Optional[str] = None
+    run_name: Optional[str] = None
+    # None: the trainer's ModelScaling mesh (EasyDeL's sharding_axis_*), or {"dp": -1} for a bare loop.
+    mesh: Optional[Dict[str, int]] = None
+    num_workers: int = Field(1, ge=1)
+    num_cpu_devices: int = Field(1, ge=1)
+    use_gpu: bool = False
+
+    # Data columns (raw text or chat) for the driver-side tokenisation
+    text_column: str = "text"
+    messages_column: str = "messages"
+
+    @field_validator("dtype", "param_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value, info):
+        return None if value is None else canonical_dtype(value, info.field_name)
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _mesh(cls, value):
+        from ray_jax_train.mesh import validate_axes
+
+        if value is None:
+            return None
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], str):
+            raise ValueError(f"mesh={value!r} needs sizes too, e.g. {{'dp': -1}} or {{'dp': 1, 'fsdp': -1, 'tp': 1}}")
+        axes = validate_axes(value)
+        if not any(name in axes for name in ("dp", "fsdp", "data")):
+            raise ValueError(f"mesh={axes} has no batch axis; include 'dp' or 'fsdp' (e.g. {{'dp': -1}})")
+        return axes
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainingArguments":
+        k = self.gradient_accumulation_steps
+        if self.batch_size % k:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by gradient_accumulation_steps={k}: the global "
+                f"batch is split into {k} equal micro-batches. Use a batch_size that is a multiple of {k} "
+                f"(e.g. {max(k, self.batch_size // k * k)})."
+            )
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is longer than total_steps={self.total_steps}; the learning "
+                "rate would never finish warming up. Lower warmup_steps."
+            )
+        return self
+
+    # -- derived ------------------------------------------------------------------------------------------
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.gradient_accumulation_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.max_sequence_length
+
+    def steps_for_rows(self, num_rows: int) -> int:
+        """Total optimizer steps for `num_epochs` passes over `num_rows` packed rows."""
+        per_epoch = num_rows // self.batch_size
+        if per_epoch < 1:
+            raise ValueError(
+                f"The training data has {num_rows} packed rows of {self.max_sequence_length} tokens, fewer than one "
+                f"global batch (batch_size={self.batch_size}). Give more data or a smaller batch_size."
+            )
+        return per_epoch * (self.num_epochs or 1)
+
+    def check_devices(self, num_devices: int) -> None:
+        """Fail before the workers start when the micro-batch cannot be split over the mesh's batch axes."""
+        from ray_jax_train.mesh import resolve_axes
+
+        axes = resolve_axes(self.mesh or {"dp": -1}, num_devices)
+        shards = math.prod(size for name, size in axes.items() if name in ("dp", "fsdp", "data"))
+        for name, size in (("micro-batch (batch_size / gradient_accumulation_steps)", self.micro_batch_size),
+                           ("eval_batch_size", self.eval_batch_size)):
+            if size is not None and size % shards:
+                raise ValueError(
+                    f"The {name} is {size}, which does not split over the {shards} batch shards of mesh {axes}. "
+                    f"Use a multiple of {shards}."
+                )
+
+    def num_devices(self) -> Optional[int]:
+        """Devices the run will have, when the driver can know it (CPU workers)."""
+        return None if self.use_gpu else self.num_workers * self.num_cpu_devices

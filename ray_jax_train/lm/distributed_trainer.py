@@ -1,0 +1,304 @@
+"""RayDistributedTrainer: EasyDeL's scaled-model trainer API, running the built-in loop on Ray Train workers.
+
+The driver does everything that can fail early (config, tokenizer, data columns, batch/mesh sizes, the
+starting weights' shapes), then hands one `JaxTrainer` the packed datasets and `loop.train_loop_per_worker`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
+
+from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, ModelScaling, canonical_dtype
+from ray_jax_train.lm.arguments import TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+CAUSAL_LM_TASKS = ("causal-language-model", "causal_lm", "causal-lm", "causallm", "causal_language_model")
+# ModelScaling's own fields (same at every scale); anything else in config_variables is a LlamaConfig field.
+_SCALING_FIELDS = ("dtype", "param_dtype", "seed", "max_position_embeddings", "initializer_range", "mesh",
+                   "sharding_axis_names", "sharding_axis_dims")
+# EasyDeL settings that choose kernels or layouts this implementation does not have: accepted and ignored.
+_IGNORED_EASYDEL = ("attn_mechanism", "attn_dtype", "attn_softmax_dtype", "precision", "partition_axis",
+                    "sharding_dcn_axis_dims", "moe_intermediate_size", "platform", "backend")
+
+
+def _task_name(task: Any) -> str:
+    name = str(getattr(task, "value", task)).strip().lower()
+    if name.replace("-", "_") not in {t.replace("-", "_") for t in CAUSAL_LM_TASKS} and name != "causallanguagemodel":
+        raise ValueError(f"model_task={task!r} is not supported; ray_jax_train trains causal language models "
+                         f"(model_task='causal-language-model').")
+    return "causal-language-model"
+
+
+def _json_safe(variables: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for key, value in variables.items():
+        if key in ("dtype", "param_dtype"):
+            value = canonical_dtype(value, key)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+class RayDistributedTrainer:
+    """Train a scaled Llama-family causal LM on Ray workers.
+
+    Args:
+        pretrained_model_name_or_path: a local directory with a tokenizer and/or a HF `config.json` (its config
+            is the base that the scaling variables override). Hub names are not downloaded.
+        model_type / model_task / model_class: the architecture (llama, mistral, qwen2) and the task
+            (causal-language-model); `model_class=LlamaForCausalLM` implies both.
+        config_scaling_variables: fields multiplied by `scaling_index` (hidden_size, intermediate_size, heads...).
+        config_variables: fields fixed across scales (dtype, param_dtype, seed, max_position_embeddings,
+            sharding_axis_names/dims, and any other LlamaConfig field such as vocab_size or num_hidden_layers).
+        checkpoint_path (alias `bucket_path`): starting weights, a ray_jax_train checkpoint directory or a local
+            HF model directory (used when `train` gets neither `state` nor `model`).
+        tokenizer: a tokenizer object or directory, overriding the one in `pretrained_model_name_or_path`.
+    """
+
+    def __init__(self, pretrained_model_name_or_path: Optional[str] = None, *, model_type: Optional[str] = None,
+                 model_task: Any = None, model_class: Optional[type] = None,
+                 config_scaling_variables: Optional[Dict[str, int]] = None,
+                 config_variables: Optional[Dict[str, Any]] = None, checkpoint_path: Optional[str] = None,
+                 bucket_path: Optional[str] = None, tokenizer: Any = None):
+        from ray_jax_train.models import LlamaForCausalLM
+
+        if model_class is not None:
+            if not (isinstance(model_class, type) and issubclass(model_class, LlamaForCausalLM)):
+                raise ValueError(f"model_class={model_class!r} is not supported; use LlamaForCausalLM (it serves "
+                                 f"model types {', '.join(SUPPORTED_MODEL_TYPES)}).")
+            model_task = model_task or "causal-language-model"
+        if model_type is None and model_class is None and pretrained_model_name_or_path is None:
+            model_type = "llama"
+        model_type = model_type or self._model_type_from_path(pretrained_model_name_or_path) or "llama"
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={model_type!r} is not supported; use one of {', '.join(SUPPORTED_MODEL_TYPES)}.")
+        if checkpoint_path is not None and bucket_path is not None and checkpoint_path != bucket_path:
+            raise ValueError("Give checkpoint_path or bucket_path (its EasyDeL name), not both.")
+        self.pretrained_model_name_or_path = (os.fspath(pretrained_model_name_or_path)
+                                              if pretrained_model_name_or_path is not None else None)
+        self.model_type = model_type
+        self.model_task = _task_name(model_task or "causal-language-model")
+        self.model_class = model_class or LlamaForCausalLM
+        self.config_scaling_variables = dict(config_scaling_variables) if config_scaling_variables else None
+        self.config_variables = dict(config_variables or {})
+        self.checkpoint_path = checkpoint_path if checkpoint_path is not None else bucket_path
+        self._tokenizer = tokenizer
+        self.scaling = self._build_scaling()
+        self.last_result = None
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _model_type_from_path(path) -> Optional[str]:
+        if path is None or not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+
+    def _build_scaling(self) -> ModelScaling:
+        """ModelScaling from: the HF config in the model path < the tokenizer's vocab < config_variables."""
+        from ray_jax_train.config import DEFAULT_SCALING_VARIABLES
+
+        variables = dict(self.config_variables)
+        for key in _IGNORED_EASYDEL:
+            if variables.pop(key, None) is not None:
+                logger.warning("config_variables[%r] is an EasyDeL kernel/layout setting with no equivalent here; "
+                               "ignored.", key)
+        checkpointing = variables.pop("gradient_checkpointing", None)
+        if checkpointing is not None:
+            variables["remat"] = str(getattr(checkpointing, "value", checkpointing)).lower() not in ("none", "false", "0")
+        fixed = {k: variables.pop(k) for k in list(variables) if k in _SCALING_FIELDS}
+        unknown = [k for k in variables if k not in LlamaConfig.model_fields or k == "model_type"]
+        if unknown:
+            raise ValueError(f"config_variables {unknown} are not model config fields; known fields: "
+                             f"{', '.join(sorted(LlamaConfig.model_fields))} and {', '.join(_SCALING_FIELDS)}.")
+        scaling_vars = None
+        if self.config_scaling_variables is not None:
+            scaling_vars = {k: v for k, v in self.config_scaling_variables.items() if k not in _IGNORED_EASYDEL}
+        scaled = set(scaling_vars if scaling_vars is not None else DEFAULT_SCALING_VARIABLES)
+
+        base: Dict[str, Any] = {}
+        path = self.pretrained_model_name_or_path
+        if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+            from ray_jax_train.models import load_hf_config
+
+            hf = load_hf_config(path).model_dump()
+            for key in ("max_position_embeddings", "initializer_range"):
+                fixed.setdefault(key, hf[key])
+            width_scaled = bool(scaled & {"hidden_size", "num_attention_heads"})
+            base = {k: v for k, v in hf.items() if v is not None and k not in scaled and k not in _SCALING_FIELDS
+                    and k not in ("model_type", "initializer_range") and not (k == "head_dim" and width_scaled)}
+        base.update(variables)
+        if "vocab_size" not in base:
+            tokenizer = self._maybe_tokenizer()
+            if tokenizer is not None:
+                base["vocab_size"] = len(tokenizer)
+                for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                    if getattr(tokenizer, name, None) is not None:
+                        base.setdefault(name, getattr(tokenizer, name))
+        kwargs = dict(model_type=self.model_type, base=base, **fixed)
+        if scaling_vars is not None:
+            kwargs["scaling_variables"] = scaling_vars
+        return ModelScaling(**kwargs)
+
+    def create_config(self, scaling_index: int = 1) -> LlamaConfig:
+        """The model config at `scaling_index` (1 = base sizes; k multiplies every scaling variable by k)."""
+        return self.scaling.create_config(scaling_index)
+
+    def create_model(self, config: Optional[LlamaConfig] = None, *, scaling_index: int = 1, lazy: bool = False):
+        """A model for `config` (default: `create_config(scaling_index)`); `lazy=True` allocates nothing."""
+        return self.scaling.create_model(config, scaling_index=scaling_index, lazy=lazy)
+
+    def save_config(self, path) -> None:
+        """Write the constructor arguments as JSON, so `from_config(path)` rebuilds this trainer."""
+        data = {
+            "pretrained_model_name_or_path": self.pretrained_model_name_or_path,
+            "model_type": self.model_type,
+            "model_task": self.model_task,
+            "config_scaling_variables": self.config_scaling_variables,
+            "config_variables": _json_safe(self.config_variables),
+            "checkpoint_path": self.checkpoint_path,
+        }
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+    @classmethod
+    def from_config(cls, path, **overrides) -> "RayDistributedTrainer":
+        """Rebuild a trainer from `save_config`'s JSON; keyword `overrides` replace saved values."""
+        with open(path) as f:
+            data = json.load(f)
+        data.update(overrides)
+        name = data.pop("pretrained_model_name_or_path", None)
+        return cls(name, **data)
+
+    # -- tokenizer and samples ----------------------------------------------------------------------------
+
+    def _maybe_tokenizer(self):
+        if self._tokenizer is not None or (self.pretrained_model_name_or_path
+                                           and os.path.isdir(self.pretrained_model_name_or_path)):
+            try:
+                return self.load_processor()
+            except (OSError, ValueError) as exc:
+                logger.info("No tokenizer in %s (%s).", self.pretrained_model_name_or_path, exc)
+        return None
+
+    def load_processor(self):
+        """The tokenizer (local only), with a pad token: the eos token, with a warning, if it has none."""
+        from ray_jax_train.text import ensure_pad_token, load_tokenizer
+
+        if self._tokenizer is None or isinstance(self._tokenizer, (str, os.PathLike)):
+            source = self._tokenizer if self._tokenizer is not None else self.pretrained_model_name_or_path
+            if source is None:
+                raise ValueError("No tokenizer: pass pretrained_model_name_or_path (a local directory) or tokenizer=.")
+            self._tokenizer = load_tokenizer(source)
+        return ensure_pad_token(self._tokenizer)
+
+    def process_sample_data(self, sample, max_length: int, padding_side: str = "left", **kwargs):
+        """One text (or row) -> padded input_ids / attention_mask of `max_length` (see text.process_sample_data)."""
+        from ray_jax_train.text import process_sample_data
+
+        return process_sample_data(self.load_processor(), sample, max_length, padding_side, **kwargs)
+
+    def process_messages_data(self, messages, max_length: int, padding_side: str = "left", **kwargs):
+        """One conversation through the tokenizer's chat template -> padded arrays."""
+        from ray_jax_train.text import process_messages_data
+
+        return process_messages_data(self.load_processor(), messages, max_length, padding_side, **kwargs)
+
+    @staticmethod
+    def extract_column_names(dataset):
+        """Column names of a Hugging Face or Ray dataset (None when they cannot be known cheaply)."""
+        from ray_jax_train.text import extract_column_names
+
+        return extract_column_names(dataset)
+
+    # -- training -----------------------------------------------------------------------------------------
+
+    def train(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
+              model=None, state=None):
+        """Train on Ray workers and return Ray's `Result` (outputs under `result.path`).
+
+        Starting weights, first match wins: `state`, then `model`, then the trainer's `checkpoint_path`, then a
+        new model at `scaling_index`. Under `result.path`: `metrics.jsonl` (one record per log/eval step),
+        `final_model/` (HF safetensors + tokenizer) and the checkpoints.
+        """
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+        from ray_jax_train.backend import JaxConfig
+        from ray_jax_train.lm import state as state_lib
+        from ray_jax_train.lm.data import prepare_lm_dataset
+        from ray_jax_train.lm.loop import train_loop_per_worker
+        from ray_jax_train.trainer import JaxTrainer
+
+        args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
+        config = self._train_config(scaling_index, args, model)
+        if args.mesh is None:
+            args = args.model_copy()
+            args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
+        if args.num_devices() is not None:
+            args.check_devices(args.num_devices())
+        init = state_lib.init_spec(state=state, model=model, checkpoint_path=self.checkpoint_path)
+        if init["source"] in ("state", "model"):
+            import ray
+
+            given = ray.get(init["ref"])["params"]
+            state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
+
+        tokenizer = self._maybe_tokenizer()
+        train_ds, columns = prepare_lm_dataset(dataset_train, tokenizer, args, data_collator=data_collator,
+                                               max_position_embeddings=config.max_position_embeddings)
+        datasets = {"train": train_ds}
+        if dataset_eval is not None:
+            datasets["eval"], eval_columns = prepare_lm_dataset(
+                dataset_eval, tokenizer, args, data_collator=data_collator, what="dataset_eval",
+                max_position_embeddings=config.max_position_embeddings)
+            if eval_columns != columns:
+                raise ValueError(f"dataset_eval feeds columns {eval_columns}, dataset_train {columns}; they must match.")
+        total_steps = args.total_steps
+        if total_steps is None:
+            train_ds = datasets["train"] = train_ds.materialize()  # counted once, then read from the object store
+            total_steps = args.steps_for_rows(train_ds.count())
+        if args.warmup_steps > total_steps:
+            raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps.")
+
+        run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
+        trainer = JaxTrainer(
+            train_loop_per_worker,
+            train_loop_config={"arguments": args.model_dump(), "model_config": config.model_dump(),
+                               "total_steps": total_steps, "init": init, "columns": columns,
+                               "has_eval": dataset_eval is not None, **self._extra_loop_config},
+            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
+            jax_config=JaxConfig(num_cpu_devices=args.num_cpu_devices),
+            run_config=RunConfig(
+                name=run_name,
+                storage_path=os.path.abspath(args.output_dir) if args.output_dir else None,
+                checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
+                failure_config=FailureConfig(max_failures=args.max_failures),
+            ),
+            datasets=datasets,
+        )
+        result = trainer.fit()
+        self.last_result = result
+        final = os.path.join(result.path, "final_model")
+        if tokenizer is not None and os.path.isdir(final):
+            tokenizer.save_pretrained(final)
+        return result
+
+    # Extra keys merged into the loop config (tests set {"record_dir": ...}).
+    _extra_loop_config: Dict[str, Any] = {}
+
+    def _train_config(self, scaling_index: int, args: TrainingArguments, model) -> LlamaConfig:
+        """The model config for this run: the given model's or the scaled one, with precision overrides."""
+        config = model.config if model is not None else self.create_config(scaling_index)
+        overrides = {k: getattr(args, k) for k in ("dtype", "param_dtype") if getattr(args, k) is not None}
+        if overrides:
+            config = config.replace(**overrides)
+        if args.max_sequence_length > config.max_position_embeddings:
+            raise ValueError(f"max_sequence_length={args.max_sequence_length} exceeds the model's "
+                             f"max_position_embeddings={config.max_position_embeddings}.")
+        return config

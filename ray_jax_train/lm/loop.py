@@ -1,0 +1,229 @@
+"""The built-in causal-LM `train_loop_per_worker`: what every JaxTrainer worker runs for `RayDistributedTrainer`.
+
+Config keys (built by `RayDistributedTrainer.train`, or by hand for `JaxTrainer`):
+    arguments     TrainingArguments as a dict
+    model_config  LlamaConfig as a dict (precision overrides already applied)
+    total_steps   resolved number of optimizer steps
+    init          starting point from `state.init_spec` (default: a new model)
+    columns       dataset columns to feed (default: the packed-row columns)
+    has_eval      whether an "eval" dataset was given
+    record_dir    tests only: rank 0 writes the initial params and every global batch there
+
+The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def train_loop_per_worker(config: Dict[str, Any]) -> None:
+    import jax
+    import jax.numpy as jnp
+    import ray.train
+
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.data import iter_jax_batches
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
+    from ray_jax_train.lm.step import make_eval_step, make_optimizer, make_train_step, new_state
+    from ray_jax_train.mesh import make_mesh
+    from ray_jax_train.models import flops_per_token
+
+    args = TrainingArguments.model_validate(config["arguments"])
+    model_config = LlamaConfig.model_validate(config["model_config"])
+    total_steps = int(config.get("total_steps") or args.total_steps or 0)
+    if total_steps < 1:
+        raise ValueError("train_loop_per_worker needs total_steps (set TrainingArguments.total_steps, or let "
+                         "RayDistributedTrainer count it from num_epochs).")
+    columns = list(config.get("columns") or DEFAULT_COLUMNS)
+    rank0 = jax.process_index() == 0
+
+    mesh = make_mesh(args.mesh or {"dp": -1})
+    optimizer, schedule = make_optimizer(args, total_steps)
+    graphdef, _ = state_lib.abstract_params(model_config)
+    state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh,
+                                    new_state_fn=lambda params, step: new_state(params, optimizer, step))
+
+    checkpointer, data_pos = _checkpointer(args), {"epoch": 0, "batch": 0}
+    if checkpointer is not None and args.resume_if_possible:
+        from ray_jax_train.checkpoint import abstract_state
+
+        restored = checkpointer.restore(abstract_state(state))
+        if restored is not None:
+            state, data_pos = restored.state, dict(restored.data_state or data_pos)
+            logger.info("Resuming at step %d from %s.", restored.step, restored.path)
+    step = int(jax.device_get(state["step"]))  # one sync, before the loop
+
+    recorder = _Recorder(config.get("record_dir"), rank0)
+    recorder.params("initial_params", state["params"])
+
+    train_step = jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps), donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(graphdef))
+    throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
+                            jax.device_count(), peak_flops_per_device())
+    run_dir = _local_run_dir()
+    progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
+
+    def evaluate() -> Dict[str, float]:
+        batch_size = args.eval_batch_size or args.micro_batch_size
+        sums = []
+        batches = iter_jax_batches("eval", batch_size=batch_size, mesh=mesh, columns=columns, remainder="pad",
+                                   dtypes=np.int32)
+        for i, batch in enumerate(batches):
+            if args.max_eval_steps and i >= args.max_eval_steps:
+                break
+            sums.append(eval_step(state["params"], batch))
+        if not sums:
+            return {}
+        loss_sum, tokens = (float(x) for x in jax.device_get(jnp.sum(jnp.asarray(sums), axis=0)))
+        loss = loss_sum / max(tokens, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+    pending: List[Dict[str, Any]] = []  # device metrics since the last log step
+    last: Dict[str, float] = {}
+    epoch, skip = int(data_pos["epoch"]), int(data_pos["batch"])
+    compiled = False
+    while step < total_steps:
+        seen = skip
+        batches = iter_jax_batches("train", batch_size=args.batch_size, mesh=mesh, columns=columns, dtypes=np.int32,
+                                   skip_batches=skip, local_shuffle_buffer_size=args.shuffle_buffer_size,
+                                   local_shuffle_seed=args.seed + epoch if args.shuffle_buffer_size else None)
+        for batch in batches:
+            recorder.batch(batch)
+            state, metrics = train_step(state, batch)
+            step, seen = step + 1, seen + 1
+            pending.append(metrics)
+            if compiled:
+                throughput.step()
+            else:  # keep the first step's compile out of tokens/s: one extra sync, once
+                jax.block_until_ready(metrics)
+                throughput.start()
+                compiled = True
+            progress.update(1)
+            due_log = step % args.log_steps == 0 or step == total_steps
+            due_eval = config.get("has_eval") and (
+                (args.eval_steps and step % args.eval_steps == 0) or step == total_steps)
+            if due_log or due_eval:
+                record = {"step": step, "epoch": epoch}
+                if pending:
+                    record.update(_summarise(pending), learning_rate=float(schedule(step - 1)))
+                    record.update(throughput.read())
+                    pending = []
+                if due_eval:
+                    record.update(evaluate())
+                    throughput.start()  # eval time is not training throughput
+                last = record
+                progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
+                if rank0:
+                    _append_jsonl(run_dir, record)
+                ray.train.report(record)
+            if checkpointer is not None:
+                checkpointer.maybe_save(step, state, metrics=lambda: dict(last),
+                                        data_state={"epoch": epoch, "batch": seen})
+            if step >= total_steps:
+                break
+        if seen == skip and step < total_steps:
+            raise RuntimeError(
+                f"Epoch {epoch} yielded no full global batch of {args.batch_size} rows: the training data is "
+                "smaller than one batch (per worker shards may be uneven). Give more data or a smaller batch_size.")
+        epoch, skip = epoch + 1, 0
+
+    progress.close()
+    if checkpointer is not None:
+        if args.save_steps and step % args.save_steps:
+            checkpointer.save(step, state, metrics=dict(last), data_state={"epoch": epoch, "batch": 0})
+        checkpointer.close()
+    recorder.params("final_params", state["params"])
+    if args.save_final_model and run_dir is not None:
+        from flax import nnx
+
+        from ray_jax_train.models import save_pretrained
+
+        save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
+    recorder.close()
+
+
+def _summarise(pending: List[Dict[str, Any]]) -> Dict[str, float]:
+    """Mean loss and grad norm over the steps since the last log: the one host sync per interval."""
+    import jax
+    import jax.numpy as jnp
+
+    stacked = jax.device_get({k: jnp.stack([m[k] for m in pending]) for k in pending[0]})
+    tokens = stacked["tokens"]
+    # Token-weighted mean: the loss of all the tokens in the interval, not a mean of per-step means.
+    loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "grad_norm": float(stacked["grad_norm"][-1]),
+            "loss_tokens": float(np.sum(tokens))}
+
+
+def _checkpointer(args):
+    if not (args.save_steps or args.resume_if_possible):
+        return None
+    from ray_jax_train.checkpoint import JaxCheckpointer
+
+    return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps))
+
+
+def _local_run_dir() -> Optional[str]:
+    """The run's storage directory when it is on a local/shared filesystem (where outputs are written)."""
+    import pyarrow.fs as pafs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    if not isinstance(storage.storage_filesystem, pafs.LocalFileSystem):
+        logger.warning("Run storage is not a local filesystem; metrics.jsonl and final_model are not written.")
+        return None
+    os.makedirs(storage.experiment_fs_path, exist_ok=True)
+    return storage.experiment_fs_path
+
+
+def _append_jsonl(run_dir: Optional[str], record: Dict[str, Any]) -> None:
+    if run_dir is not None:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class _Recorder:
+    """Test hook: rank 0 keeps every global batch and the params, so a test can replay the run in one process.
+
+    The gathers are collective, so every process runs them; only rank 0 writes.
+    """
+
+    def __init__(self, path: Optional[str], rank0: bool):
+        self.path, self.rank0, self.batches = path, rank0, []
+
+    def _gather(self, tree):
+        import jax
+        from jax.experimental import multihost_utils
+
+        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+    def batch(self, batch) -> None:
+        if self.path:
+            self.batches.append(self._gather(batch))
+
+    def params(self, name: str, params) -> None:
+        if not self.path:
+            return
+        import jax
+
+        flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(self._gather(params))}
+        if self.rank0:
+            os.makedirs(self.path, exist_ok=True)
+            np.savez(os.path.join(self.path, f"{name}.npz"), **flat)
+
+    def close(self) -> None:
+        if self.path and self.rank0 and self.batches:
+            keys = self.batches[0].keys()
+            np.savez(os.path.join(self.path, "batches.npz"), **{k: np.stack([b[k] for b in self.batches]) for k in keys})

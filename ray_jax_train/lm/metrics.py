@@ -1,0 +1,141 @@
+"""Throughput and utilisation: tokens/s, MFU against a per-device peak, and a rank-0 progress bar.
+
+MFU = achieved model FLOP/s / (devices * peak FLOP/s per device). Model FLOPs per token come from the config
+(`models.flops_per_token`, the 6N + attention convention). Peaks are dense bf16 figures from vendor data
+sheets for known accelerators; on CPU there is no data sheet, so a short matmul measures one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Dict, Optional
+
+# Dense bf16 peak FLOP/s per device (one chip / one GPU), matched by substring of `device.device_kind`,
+# most specific first.
+PEAK_FLOPS = (
+    ("h200", 989e12),
+    ("h100", 989e12),
+    ("gh200", 989e12),
+    ("b200", 2250e12),
+    ("a100", 312e12),
+    ("a10g", 125e12),
+    ("l40s", 362e12),
+    ("l4", 121e12),
+    ("v100", 125e12),
+    ("rtx 4090", 165e12),
+    ("tpu v6", 918e12),
+    ("tpu v5p", 459e12),
+    ("tpu v5 lite", 197e12),
+    ("tpu v5e", 197e12),
+    ("tpu v5", 459e12),
+    ("tpu v4", 275e12),
+    ("tpu v3", 123e12),
+    ("tpu v2", 46e12),
+)
+
+_measured: Dict[str, float] = {}
+
+
+def peak_flops_per_device(device=None) -> float:
+    """The device's peak FLOP/s: from the table, else measured (CPU, unknown GPUs) once per process."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    kind = (getattr(device, "device_kind", "") or "").lower()
+    for name, flops in PEAK_FLOPS:
+        if name in kind:
+            return flops
+    if kind not in _measured:
+        _measured[kind] = measure_matmul_flops(device)
+    return _measured[kind]
+
+
+def measure_matmul_flops(device=None, size: int = 512, repeats: int = 5) -> float:
+    """Best-of-`repeats` FLOP/s of a float32 [size x size] matmul on `device` (a fraction of a second)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.local_devices()[0]
+    x = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()  # compile
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / max(best, 1e-9)
+
+
+class Throughput:
+    """Tokens/s and MFU over the interval between two log steps (the only points where we sync)."""
+
+    def __init__(self, flops_per_token: float, tokens_per_step: int, num_devices: int, peak_per_device: float):
+        self.flops_per_token = flops_per_token
+        self.tokens_per_step = tokens_per_step
+        self.peak = num_devices * peak_per_device
+        self._since: Optional[float] = None
+        self._steps = 0
+
+    def start(self) -> None:
+        """Call after a synced step (e.g. after the first, compiling one) to open an interval."""
+        self._since, self._steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def read(self) -> Dict[str, float]:
+        """Throughput since `start` or the last `read`; call right after a host sync."""
+        now = time.perf_counter()
+        if self._since is None or self._steps == 0:
+            self._since, self._steps = now, 0
+            return {}
+        seconds, steps = max(now - self._since, 1e-9), self._steps
+        self._since, self._steps = now, 0
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        return {
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": seconds / steps,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak,
+        }
+
+
+class Progress:
+    """A tqdm bar on rank 0 only; Ray's `tqdm_ray` when available so it renders on the driver."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from ray.experimental.tqdm_ray import tqdm
+        except ImportError:  # pragma: no cover - older Ray
+            from tqdm import tqdm
+        self.bar = tqdm(total=total, desc="train", unit="step")
+        if initial:
+            self.bar.update(initial)
+
+    def update(self, steps: int, metrics: Optional[Dict[str, float]] = None) -> None:
+        if self.bar is None:
+            return
+        if metrics and hasattr(self.bar, "set_postfix"):
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()})
+        elif metrics:  # tqdm_ray has no postfix: put the numbers in the description
+            self.bar.set_description("train " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.bar.update(steps)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(run_dir) -> list:
+    """The per-log-step records the loop wrote to `<run dir>/metrics.jsonl` (empty list if none)."""
+    import os
+
+    path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,218 @@
+"""Where the weights come from, and how the train state is placed on the mesh.
+
+Starting points, in the order `RayDistributedTrainer.train` picks them (see `init_spec`):
+
+1. a given state (`{"params", optional "opt_state", "step"}`), shipped once through the object store;
+2. a given model, whose parameters become that state;
+3. a checkpoint path: a ray_jax_train checkpoint directory, or a local Hugging Face model directory;
+4. a new model from the config, initialised inside `jit` straight into its shardings (no host copy).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ray_jax_train.config import LlamaConfig
+from ray_jax_train.models import create_model
+
+SOURCES = ("state", "model", "checkpoint", "hf", "scratch")
+
+
+# -- sharding ---------------------------------------------------------------------------------------------
+
+
+def partition_spec(path, leaf) -> "jax.sharding.PartitionSpec":
+    """The PartitionSpec of one state leaf. Everything is replicated for now.
+
+    This is the one place FSDP/TP rules go (match `jax.tree_util.keystr(path)` against regexes over the HF-like
+    parameter names, e.g. `layers.*q_proj.*kernel` -> P("fsdp", "tp")); the optimizer moments follow the
+    params automatically because their paths end with the same parameter names.
+    """
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec()
+
+
+def state_shardings(state, mesh):
+    """A pytree of NamedShardings matching `state` (arrays or ShapeDtypeStructs)."""
+    from jax.sharding import NamedSharding
+
+    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, partition_spec(p, x)), state)
+
+
+def shard_state(state, mesh):
+    """Place `state` (numpy, local or global jax arrays) on `mesh` with `state_shardings`.
+
+    Host values become global arrays through `make_array_from_callback`: each process fills only the shards
+    its devices hold and nothing is communicated, which works the same for one process or many (every
+    process must hold the same values, as it does for a state shipped from the driver).
+    """
+    shardings = state_shardings(state, mesh)
+
+    def place(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == sharding else jax.jit(lambda y: y, out_shardings=sharding)(x)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, state, shardings)
+
+
+def init_sharded(fn, mesh):
+    """Run `fn()` under jit with outputs born in their shardings (the scratch path: no host round trip)."""
+    shardings = state_shardings(jax.eval_shape(fn), mesh)
+    return jax.jit(fn, out_shardings=shardings)()
+
+
+# -- parameters -------------------------------------------------------------------------------------------
+
+
+def split_model(model):
+    """(graphdef, params as a pure dict). The model holds no state besides Params (no dropout, no caches)."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params)
+
+
+def abstract_params(config: LlamaConfig):
+    """(graphdef, ShapeDtypeStruct pure dict) of a model with `config`, allocating nothing."""
+    return split_model(create_model(config, lazy=True))
+
+
+def params_to_numpy(model_or_params) -> Dict[str, Any]:
+    """An nnx model, nnx.State or pure dict -> a pure dict of numpy arrays (what travels to the workers)."""
+    if isinstance(model_or_params, nnx.Module):
+        model_or_params = nnx.state(model_or_params, nnx.Param)
+    if isinstance(model_or_params, nnx.State):
+        model_or_params = nnx.to_pure_dict(model_or_params)
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), model_or_params)
+
+
+def check_params_match(params, expected, what: str) -> None:
+    """Raise a readable error when `params` do not have the model's structure and shapes."""
+    got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    wrong = sorted(k for k in set(want) & set(got) if tuple(got[k]) != want[k])
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+        if wrong:
+            parts.append("shape " + ", ".join(f"{k}: {tuple(got[k])} != {want[k]}" for k in wrong[:4]))
+        raise ValueError(f"The {what} does not fit the model config: {'; '.join(parts)}. Pass the scaling_index "
+                         "(or config) the state was made with.")
+
+
+def cast_params(params, config: LlamaConfig):
+    """Cast float parameters to the config's param_dtype (e.g. bf16 weights into float32 master weights)."""
+    dtype = config.jnp_param_dtype
+
+    def cast(x):
+        x = np.asarray(x)
+        return x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
+
+    return jax.tree.map(cast, params)
+
+
+def is_hf_model_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def load_hf_params(path: str, config: LlamaConfig) -> Dict[str, Any]:
+    """Weights of a local HF directory as a numpy pure dict, checked against `config`."""
+    from ray_jax_train.models import from_pretrained
+
+    model = from_pretrained(path, dtype=config.dtype, param_dtype=config.param_dtype)
+    params = params_to_numpy(model)
+    check_params_match(params, abstract_params(config)[1], f"Hugging Face model in {path}")
+    return params
+
+
+def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *, new_state_fn):
+    """The sharded train state for the starting point `init` (see the module docstring).
+
+    `new_state_fn(params, step) -> state` builds the optimizer state; it runs under jit so every leaf of
+    the state (optimizer moments, counters) is born on the mesh.
+    """
+    import ray
+
+    source = init.get("source", "scratch")
+    if source not in SOURCES:
+        raise ValueError(f"Unknown init source {source!r}; use one of {SOURCES}.")
+    _, expected = abstract_params(config)
+    step, opt_state = 0, None
+    if source in ("state", "model"):
+        given = ray.get(init["ref"]) if isinstance(init["ref"], ray.ObjectRef) else init["ref"]
+        params = cast_params(given["params"], config)
+        check_params_match(params, expected, f"given {source}")
+        step, opt_state = int(given.get("step") or 0), given.get("opt_state")
+        params = shard_state(params, mesh)
+    elif source == "hf":
+        params = shard_state(load_hf_params(init["path"], config), mesh)
+    elif source == "checkpoint":
+        params = restore_params(init["path"], config, optimizer, mesh, new_state_fn)
+    else:
+        params = init_sharded(lambda: split_model(create_model(config))[1], mesh)
+
+    shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
+    state = jax.jit(lambda p: new_state_fn(p, step), out_shardings=shardings)(params)
+    if opt_state is not None:
+        given_def = jax.tree_util.tree_structure(opt_state)
+        if given_def != jax.tree_util.tree_structure(state["opt_state"]):
+            raise ValueError("The given state's opt_state does not match this optimizer's state structure (different "
+                             "optimizer settings?). Pass only {'params': ...} to start a fresh optimizer.")
+        state["opt_state"] = shard_state(opt_state, mesh)
+    return state
+
+
+def restore_params(path: str, config: LlamaConfig, optimizer, mesh, new_state_fn):
+    """Parameters from a ray_jax_train checkpoint directory (the whole state is read, the params kept)."""
+    from ray_jax_train.checkpoint import abstract_state, restore
+
+    _, expected = abstract_params(config)
+    target = jax.eval_shape(lambda p: new_state_fn(p, 0), expected)
+    target = abstract_state(target, state_shardings(target, mesh))
+    restored = restore(target, checkpoint=path, fallback=False)
+    if restored is None:
+        raise FileNotFoundError(f"No checkpoint found at {path}.")
+    return restored.state["params"]
+
+
+def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) -> Dict[str, Any]:
+    """Driver side: pick the starting point (state > model > checkpoint path > scratch) and ship it.
+
+    Arrays go to the object store once, as numpy, so N workers fetch them instead of each unpickling a copy
+    from the train-loop config.
+    """
+    import ray
+
+    if state is not None:
+        if hasattr(state, "state") and hasattr(state, "step") and not isinstance(state, dict):
+            state = {"params": state.state["params"], "opt_state": state.state.get("opt_state"), "step": state.step}
+        if isinstance(state, (nnx.State, nnx.Module)) or (isinstance(state, dict) and "params" not in state):
+            state = {"params": state}
+        payload = {"params": params_to_numpy(state["params"]), "step": int(np.asarray(state.get("step") or 0))}
+        if state.get("opt_state") is not None:
+            payload["opt_state"] = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["opt_state"])
+        return {"source": "state", "ref": ray.put(payload)}
+    if model is not None:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a Flax NNX model (e.g. LlamaForCausalLM), got {type(model).__name__}.")
+        return {"source": "model", "ref": ray.put({"params": params_to_numpy(model)})}
+    if checkpoint_path is not None:
+        path = os.fspath(checkpoint_path)
+        if "://" not in path:
+            path = os.path.abspath(path)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"checkpoint_path {path} does not exist.")
+            if is_hf_model_dir(path):
+                return {"source": "hf", "path": path}
+        return {"source": "checkpoint", "path": path}
+    return {"source": "scratch"}
