@@ -1,0 +1,147 @@
+"""What checkpointing costs a training run: throughput with periodic saves vs none, and save/restore MB/s.
+
+One JaxTrainer run (CPU workers by default). The state is an MLP's params plus Adam moments, sharded over the
+workers' devices on its first axis. Phases alternate, no-save / save-every-N, `--rounds` times, each of
+`--phase-steps` steps, so load drift on a shared machine hits both kinds alike; the ratio is
+(steps/s with saves) / (steps/s without), as mean and median over the phases. Then, outside the step loop: the time `save` blocks the loop, the time
+until the save is committed on storage, and the time to restore into the same shardings, as MB/s of the global
+state. Times are measured and printed, never asserted.
+
+    python benchmarks/checkpoint_cost.py --workers 2 --hidden 1024 --save-every 50
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+
+def bench_loop(config):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import ray_jax_train as rjt
+    from ray_jax_train.checkpoint import JaxCheckpointer, abstract_state
+
+    mesh = rjt.get_mesh()
+    n = mesh.devices.size
+    hidden, layers, batch = config["hidden"], config["layers"], config["batch"]
+    rng = np.random.default_rng(0)
+    params = [{"w": (rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float32),
+               "b": np.zeros((hidden,), np.float32)} for _ in range(layers)]
+    optimizer = optax.adam(1e-3)
+
+    def place(x):
+        spec = P("dp") if x.ndim and x.shape[0] % n == 0 else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    state = jax.tree.map(place, {"params": params, "opt_state": optimizer.init(params)})
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+    def loss_fn(p, x):
+        h = x
+        for layer in p:
+            h = jnp.tanh(h @ layer["w"] + layer["b"])
+        return jnp.mean(h ** 2)
+
+    def step(state, x):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+    step_fn = jax.jit(step, donate_argnums=(0,))
+    x = jax.device_put(rng.standard_normal((batch, hidden)).astype(np.float32), NamedSharding(mesh, P("dp")))
+    state, loss = step_fn(state, x)  # compile
+    loss.block_until_ready()
+
+    ckpt = JaxCheckpointer(save_every=config["save_every"], handle_preemption=False)
+    global_step = 0
+    phases = []
+    for kind in ["none", "save"] * config["rounds"]:
+        t0 = time.perf_counter()
+        for _ in range(config["phase_steps"]):
+            state, loss = step_fn(state, x)
+            global_step += 1
+            if kind == "save":
+                ckpt.maybe_save(global_step, state, metrics=lambda: {"loss": float(loss)})
+        loss.block_until_ready()
+        ckpt.wait()  # a phase ends with its saves on storage, so their cost is not pushed into the next phase
+        phases.append((kind, config["phase_steps"] / (time.perf_counter() - t0)))
+
+    # Save and restore costs, alone.
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    ckpt.save(global_step + 1, state)
+    blocking = time.perf_counter() - t0
+    ckpt.wait()
+    committed = time.perf_counter() - t0
+    path = ckpt.location.child(ckpt._name(global_step + 1))
+    target = abstract_state(state)
+    t0 = time.perf_counter()
+    restored = ckpt.restore(target, path)
+    jax.block_until_ready(restored.state)
+    restore_s = time.perf_counter() - t0
+
+    if jax.process_index() == 0:
+        none = [v for k, v in phases if k == "none"]
+        save = [v for k, v in phases if k == "save"]
+        out = {
+            "workers": jax.process_count(), "devices": jax.device_count(),
+            "state_mb": state_bytes / 1e6, "save_every": config["save_every"], "phase_steps": config["phase_steps"],
+            "steps_per_s_no_save": none, "steps_per_s_with_saves": save,
+            "throughput_ratio_mean": (sum(save) / len(save)) / (sum(none) / len(none)),
+            "throughput_ratio_median": float(np.median(save) / np.median(none)),
+            "save_blocking_s": blocking, "save_committed_s": committed, "restore_s": restore_s,
+            "save_mb_per_s": state_bytes / 1e6 / committed, "restore_mb_per_s": state_bytes / 1e6 / restore_s,
+        }
+        with open(config["out"], "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def main(argv=None):
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+
+    import ray_jax_train as rjt
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--phase-steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3, help="no-save/save phase pairs")
+    parser.add_argument("--storage-path", default=None)
+    parser.add_argument("--num-cpus", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    storage = args.storage_path or tempfile.mkdtemp(prefix="ckpt_bench_")
+    out = os.path.join(storage, "checkpoint_cost.json")
+    ray.init(ignore_reinit_error=True, include_dashboard=False, num_cpus=args.num_cpus or max(4, args.workers),
+             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}})
+    trainer = rjt.JaxTrainer(
+        bench_loop,
+        train_loop_config={"hidden": args.hidden, "layers": args.layers, "batch": args.batch,
+                           "save_every": args.save_every, "phase_steps": args.phase_steps, "rounds": args.rounds,
+                           "out": out},
+        scaling_config=ScalingConfig(num_workers=args.workers),
+        run_config=RunConfig(name="checkpoint_cost", storage_path=storage,
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    with open(out) as f:
+        figures = json.load(f)
+    print(json.dumps(figures, indent=1))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
