@@ -94,7 +94,7 @@ def train_loop_per_worker(config: dict):
         for batch in batches:
             params, opt_state, loss = step_fn(params, opt_state, batch["x"], batch["y"])
             step += 1
-            if record_dir:
+            if config.get("record_ids"):
                 # A test compares against one process on the same global batches: gather the row ids.
                 seen_ids.append(np.asarray(multihost_utils.process_allgather(batch["id"], tiled=True)))
             if t_first is None:
@@ -114,7 +114,8 @@ def train_loop_per_worker(config: dict):
         os.makedirs(record_dir, exist_ok=True)
         flat = {f"{i}_{k}": np.asarray(v.addressable_data(0)) for i, layer in enumerate(params) for k, v in layer.items()}
         np.savez(os.path.join(record_dir, "params.npz"), **flat)
-        np.save(os.path.join(record_dir, "ids.npy"), np.stack(seen_ids))
+        if seen_ids:
+            np.save(os.path.join(record_dir, "ids.npy"), np.stack(seen_ids))
         with open(os.path.join(record_dir, "run.json"), "w") as f:
             json.dump({"losses": losses, "first_step_done": t_first, "log_times": step_times,
                        "process_count": jax.process_count(), "device_count": jax.device_count()}, f)
@@ -136,7 +137,9 @@ def main(argv=None):
     parser.add_argument("--record-dir", default=None)
     args = parser.parse_args(argv)
 
-    ray.init(ignore_reinit_error=True, include_dashboard=False)
+    if not ray.is_initialized():
+        # Logical CPUs for the workers plus Ray Data's read tasks; oversubscribing one machine is harmless.
+        ray.init(num_cpus=max(os.cpu_count() or 1, args.num_workers + 2), include_dashboard=False)
     trainer = rjt.JaxTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,

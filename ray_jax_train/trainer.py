@@ -71,3 +71,40 @@ class JaxTrainer(DataParallelTrainer):
     @property
     def jax_config(self) -> JaxConfig:
         return self.backend_config
+
+    def fit(self):
+        _ensure_ray_leaves_cpu_for_data(self.scaling_config, bool(self.datasets))
+        return super().fit()
+
+
+def _worker_cpus(scaling_config) -> float:
+    resources = scaling_config.resources_per_worker
+    return float(resources.get("CPU", 0)) if resources else (0.0 if scaling_config.use_tpu else 1.0)
+
+
+def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
+    """Avoid the silent deadlock where the workers hold every CPU and Ray Data can never run a read task.
+
+    Starting Ray ourselves (a local run) we oversubscribe logical CPUs, which is harmless on one machine.
+    On an existing cluster we say so up front instead of hanging.
+    """
+    import os
+
+    import ray
+
+    num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
+    needed = num_workers * _worker_cpus(scaling_config)
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed) + 2))
+        return
+    if not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
+        return
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if total - needed < 1:
+        raise ValueError(
+            f"The {num_workers} training workers reserve {needed:g} CPUs, all {total:g} of the cluster's, so Ray "
+            "Data would have no CPU to read the datasets and training would hang. Give Ray more (logical) CPUs, "
+            "e.g. ray.init(num_cpus=...) or `ray start --num-cpus ...`, or fewer CPUs per worker with "
+            "ScalingConfig(resources_per_worker={'CPU': ...}). Set RAY_JAX_TRAIN_SKIP_CPU_CHECK=1 if an "
+            "autoscaler will add nodes."
+        )

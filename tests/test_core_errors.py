@@ -1,0 +1,141 @@
+"""Bad input fails early with a message that names the problem and the fix (driver side, no workers)."""
+import jax
+import numpy as np
+import pytest
+from ray.train import ScalingConfig
+
+import ray_jax_train as rjt
+from ray_jax_train.backend import assigned_gpus, multislice_env, resolve_jax_config
+from ray_jax_train.data import check_batch_size
+
+
+def _loop(config):
+    pass
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5])
+def test_num_cpu_devices_must_be_positive(bad):
+    with pytest.raises(ValueError, match="num_cpu_devices"):
+        rjt.JaxConfig(num_cpu_devices=bad)
+
+
+def test_unknown_platform():
+    with pytest.raises(ValueError, match="not a platform"):
+        rjt.JaxConfig(platform="metal")
+
+
+def test_gpu_platform_without_gpus_in_scaling_config():
+    with pytest.raises(ValueError, match="use_gpu=True"):
+        rjt.JaxTrainer(_loop, jax_config=rjt.JaxConfig(platform="gpu"), scaling_config=ScalingConfig(num_workers=2))
+
+
+def test_platform_follows_scaling_config_and_env(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert resolve_jax_config(None, ScalingConfig(num_workers=1)).platform == "cpu"
+    assert resolve_jax_config(None, ScalingConfig(num_workers=1, use_gpu=True)).platform == "gpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    with pytest.raises(ValueError, match="no GPU"):
+        resolve_jax_config(None, ScalingConfig(num_workers=1))
+    # An explicit platform wins over the environment.
+    assert resolve_jax_config(rjt.JaxConfig(platform="cpu"), ScalingConfig(num_workers=1)).platform == "cpu"
+
+
+def test_worker_env_carries_jax_and_xla_settings():
+    config = rjt.JaxConfig(platform="cpu", xla_flags=["--xla_cpu_enable_fast_math=false"],
+                           gpu_memory_preallocate=False, gpu_memory_fraction=0.25,
+                           env_vars={"JAX_DEBUG_NANS": "1"}, compilation_cache_dir="/tmp/cc")
+    env = config.worker_env()
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert "--xla_cpu_enable_fast_math=false" in env["XLA_FLAGS"]
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500"
+    assert env["JAX_DEBUG_NANS"] == "1" and env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cc"
+
+
+def test_train_loop_with_two_arguments_is_rejected():
+    def two(config, extra):
+        pass
+
+    with pytest.raises(ValueError, match="takes 2 required arguments"):
+        rjt.JaxTrainer(two)
+
+
+def test_omitted_scaling_config_means_one_worker():
+    trainer = rjt.JaxTrainer(_loop)
+    assert trainer.scaling_config.num_workers == 1
+    assert trainer.jax_config.platform == "cpu"
+
+
+def test_rays_own_jax_config_is_accepted():
+    from ray.train.v2.jax import JaxConfig as RayJaxConfig
+
+    trainer = rjt.JaxTrainer(_loop, jax_config=RayJaxConfig(), scaling_config=ScalingConfig(num_workers=2))
+    assert isinstance(trainer.jax_config, rjt.JaxConfig)
+
+
+def test_mesh_sizes_must_match_devices():
+    devices = jax.devices()
+    assert len(devices) == 4
+    assert dict(rjt.make_mesh({"dp": -1, "tp": 2}).shape) == {"dp": 2, "tp": 2}
+    with pytest.raises(ValueError, match="multiply to 6 devices, but there are 4"):
+        rjt.make_mesh({"dp": 3, "tp": 2})
+    with pytest.raises(ValueError, match="only one size can be inferred"):
+        rjt.make_mesh({"dp": -1, "tp": -1})
+    with pytest.raises(ValueError, match="does not divide"):
+        rjt.make_mesh({"dp": -1, "tp": 3})
+    with pytest.raises(ValueError, match="only one size can be inferred"):
+        rjt.JaxConfig(mesh={"dp": -1, "fsdp": -1})  # caught on the driver, before any worker starts
+
+
+def test_mesh_keeps_each_process_contiguous():
+    mesh = rjt.make_mesh({"dp": 2, "fsdp": 2})
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids.tolist() == [[0, 1], [2, 3]]
+
+
+def test_batch_size_must_divide_over_batch_shards():
+    mesh = rjt.make_mesh({"dp": 2, "fsdp": 2})
+    assert check_batch_size(8, mesh) == 4
+    with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 batch shards"):
+        check_batch_size(6, mesh)
+    tp_only = rjt.make_mesh({"model": 4})
+    with pytest.raises(ValueError, match="none of the batch axes"):
+        check_batch_size(8, tp_only)
+
+
+def test_tpu_multislice_env_from_rays_utility():
+    """Simulated TPU: no TPU exists here, so this checks the per-worker MEGASCALE_* plan only."""
+    envs = multislice_env(num_workers=4, num_slices=2, workers_per_slice=2, coordinator_ip="10.0.0.1")
+    assert [e["MEGASCALE_SLICE_ID"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["MEGASCALE_NUM_SLICES"] for e in envs} == {"2"}
+    assert all(e["MEGASCALE_COORDINATOR_ADDRESS"].startswith("10.0.0.1") for e in envs)
+    assert multislice_env(2, 1, 2, "10.0.0.1") == [{}, {}]
+
+
+def test_gpu_workers_get_distinct_gpus(ray_cluster):
+    """Logical GPUs (the cluster declares 2, there is no CUDA here): two 1-GPU workers never share one."""
+    import ray
+
+    @ray.remote(num_gpus=1)
+    def plan(rank):
+        return assigned_gpus(rank)
+
+    plans = ray.get([plan.remote(0), plan.remote(1)])
+    visible = sorted(p[0] for p in plans)
+    assert visible == ["0", "1"]
+    assert all(p[1] == [0] for p in plans)
+
+    @ray.remote(num_gpus=0)
+    def none():
+        return assigned_gpus(0)
+
+    with pytest.raises(ray.exceptions.RayTaskError, match="given no GPU"):
+        ray.get(none.remote())
+
+
+def test_workers_that_take_every_cpu_are_refused_before_hanging(ray_cluster):
+    import ray.data
+
+    trainer = rjt.JaxTrainer(_loop, scaling_config=ScalingConfig(num_workers=4), datasets={"d": ray.data.range(4)})
+    with pytest.raises(ValueError, match="Ray Data would have no CPU"):
+        trainer.fit()
