@@ -1,8 +1,53 @@
-"""ray_jax_train: JAX as a first-class citizen of Ray Train."""
+"""ray_jax_train: JAX as a first-class citizen of Ray Train.
+
+The core (trainer, backend, mesh, data) is imported eagerly. The model, text and LM layers load on first use:
+every Ray worker imports this package to unpickle its JaxConfig, and it should not pay for flax or
+transformers before its loop asks for them.
+"""
+import importlib
+
 from ray_jax_train.backend import JaxConfig
 from ray_jax_train.data import batch_sharding, iter_jax_batches
 from ray_jax_train.mesh import get_mesh, make_mesh
 from ray_jax_train.trainer import JaxTrainer
 
-__all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "get_mesh", "iter_jax_batches", "make_mesh"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    # model configuration (EasyDeL-style scaling)
+    "LlamaConfig": "ray_jax_train.config",
+    "ModelScaling": "ray_jax_train.config",
+    "MeshSpec": "ray_jax_train.config",
+    # models and Hugging Face weights
+    "LlamaForCausalLM": "ray_jax_train.models",
+    "create_model": "ray_jax_train.models",
+    "from_pretrained": "ray_jax_train.models",
+    "save_pretrained": "ray_jax_train.models",
+    "flops_per_token": "ray_jax_train.models",
+    # text pipeline
+    "train_tokenizer": "ray_jax_train.text",
+    "load_tokenizer": "ray_jax_train.text",
+    "local_corpus": "ray_jax_train.text",
+    "load_text_dataset": "ray_jax_train.text",
+    "build_lm_dataset": "ray_jax_train.text",
+    "tokenize_and_pack": "ray_jax_train.text",
+    "pack_documents": "ray_jax_train.text",
+    "process_sample_data": "ray_jax_train.text",
+    "process_messages_data": "ray_jax_train.text",
+    "extract_column_names": "ray_jax_train.text",
+}
+
+__all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "get_mesh", "iter_jax_batches", "make_mesh", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_jax_train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
