@@ -38,6 +38,9 @@ class JaxConfig(BackendConfig):
         gpu_memory_preallocate / gpu_memory_fraction: JAX's GPU allocator settings, e.g. to share a GPU
             between Tune trials.
         compilation_cache_dir: JAX persistent compilation cache, so restarts skip recompilation.
+        cpu_affinity: pin each CPU worker to its own cores (local rank x CPUs per worker). XLA's CPU thread
+            pool sizes itself from the affinity mask, so without pinning N workers on one node oversubscribe it.
+            Opt-in: two trainers sharing a node (e.g. Tune trials) would pin onto the same cores.
         initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts.
     """
 
@@ -51,6 +54,7 @@ class JaxConfig(BackendConfig):
     gpu_memory_preallocate: Optional[bool] = None
     gpu_memory_fraction: Optional[float] = None
     compilation_cache_dir: Optional[str] = None
+    cpu_affinity: bool = False
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
     shutdown_timeout_s: int = 60
@@ -193,8 +197,11 @@ def _setup_worker(
     process_id: int,
     config: JaxConfig,
     slice_env: Mapping[str, str],
+    cores: Optional[Sequence[int]] = None,
 ) -> dict:
     """Runs on each worker: environment first, then `jax.distributed.initialize`."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     env = config.worker_env()
     for key, value in env.items():
         os.environ[key] = value
@@ -278,9 +285,11 @@ class _JaxBackend(Backend):
         if backend_config.platform == "tpu":
             num_slices, workers_per_slice = self._tpu_slices(worker_group)
         slice_envs = multislice_env(num_workers, num_slices, workers_per_slice, coord_ip)
+        cores = self._cpu_cores(worker_group, backend_config)
         futures = [
             worker_group.execute_single_async(
-                rank, _setup_worker, f"{coord_ip}:{coord_port}", num_workers, rank, backend_config, slice_envs[rank]
+                rank, _setup_worker, f"{coord_ip}:{coord_port}", num_workers, rank, backend_config, slice_envs[rank],
+                cores[rank],
             )
             for rank in range(num_workers)
         ]
@@ -292,6 +301,24 @@ class _JaxBackend(Backend):
             "jax.distributed ready: %d processes, %d devices (%s).",
             num_workers, infos[0]["device_count"], backend_config.platform,
         )
+
+    @staticmethod
+    def _cpu_cores(worker_group, config: JaxConfig) -> List[Optional[List[int]]]:
+        """Disjoint core sets per worker on each node, when asked for and when the node has enough cores."""
+        num_workers = len(worker_group)
+        if not config.cpu_affinity or config.platform != "cpu":
+            return [None] * num_workers
+        per_worker = max(1, int(worker_group.get_resources_per_worker().get("CPU", 1)))
+        node_cores = worker_group.execute(os.cpu_count)
+        plan = []
+        for worker, available in zip(worker_group.get_workers(), node_cores):
+            local_rank = worker.distributed_context.local_rank
+            first = local_rank * per_worker
+            fits = first + per_worker <= (available or 0)
+            plan.append(list(range(first, first + per_worker)) if fits else None)
+        if None in plan:
+            logger.warning("cpu_affinity: a node has fewer cores than its workers ask for; not pinning there.")
+        return plan
 
     @staticmethod
     def _tpu_slices(worker_group):

@@ -96,6 +96,7 @@ def iter_jax_batches(
     sync_window: int = 4,
     sync_timeout_s: float = 1800.0,
     skip_batches: int = 0,
+    min_read_rows: int = 1024,
     local_shuffle_buffer_size: Optional[int] = None,
     local_shuffle_seed: Optional[int] = None,
 ) -> Iterator[Dict[str, Any]]:
@@ -113,6 +114,8 @@ def iter_jax_batches(
         sync: agree with the other processes on the batch count (uneven shards); turn off only when the
             shards are known to be equal.
         skip_batches: global batches to skip first, e.g. those consumed before a resume.
+        min_read_rows: rows fetched from Ray Data per read (a multiple of the per-process batch), to amortise
+            Ray's per-batch overhead over several steps.
     """
     import jax
 
@@ -124,15 +127,17 @@ def iter_jax_batches(
     sharding = batch_sharding(mesh, batch_axes)
     local_rows = process_rows(sharding, batch_size)
     iterator = resolve_dataset(dataset)
+    # Ray Data pays a fixed cost per batch; read several steps' rows at once and slice them here.
+    read_rows = local_rows * max(1, -(-min_read_rows // local_rows))
     host_batches = iterator.iter_batches(
-        batch_size=local_rows,
+        batch_size=read_rows,
         batch_format="numpy",
         drop_last=False,
         prefetch_batches=max(1, prefetch),
         local_shuffle_buffer_size=local_shuffle_buffer_size,
         local_shuffle_seed=local_shuffle_seed,
     )
-    host_batches = (_select(batch, columns, dtypes) for batch in host_batches)
+    host_batches = _split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows)
     if sync and jax.process_count() > 1:
         agreed = _Agreement(next(_call_counter), sync_timeout_s)
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
@@ -149,6 +154,14 @@ def iter_jax_batches(
         }
 
     return _prefetched(map(to_device, host_batches), prefetch)
+
+
+def _split_rows(batches, rows: int):
+    """Cut large host reads into per-step pieces of `rows` (views, no copies); the tail stays partial."""
+    for batch in batches:
+        total = _rows(batch)
+        for start in range(0, total, rows):
+            yield {key: value[start:start + rows] for key, value in batch.items()}
 
 
 def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:
