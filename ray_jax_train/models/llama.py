@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ray_jax_train.config import LlamaConfig
+from ray_jax_train.sharding import constrain
 
 __all__ = [
     "Attention",
@@ -150,12 +151,17 @@ class Attention(nnx.Module):
         k = _apply_rope(self.k_proj(x).reshape(b, s, kv, d), cos, sin)
         v = self.v_proj(x).reshape(b, s, kv, d)
         # Query heads h = kv_head * groups + g, matching HF's repeat_kv ordering.
-        q = q.reshape(b, s, kv, groups, d)
+        # Under a mesh: batch stays on dp/fsdp, heads on tp; queries keep their sp shard while keys and values
+        # are gathered over sp only (every query needs every key), never over the batch.
+        q = constrain(q.reshape(b, s, kv, groups, d), ("batch", "seq", "heads", None, None))
+        k = constrain(k, ("batch", None, "heads", None))
+        v = constrain(v, ("batch", None, "heads", None))
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (d ** -0.5)
+        scores = constrain(scores * (d ** -0.5), ("batch", "heads", None, "seq", None))
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        out = constrain(out, ("batch", "seq", "heads", None, None))
         return self.o_proj(out.reshape(b, s, self.num_heads * d))
 
 
@@ -169,7 +175,9 @@ class MLP(nnx.Module):
         self.down_proj = _dense(cfg, i, h, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # The intermediate activation is split over tp like the gate/up columns (Megatron MLP).
+        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), ("batch", "seq", "ff"))
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -184,7 +192,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = constrain(x, _RESIDUAL)
+        return constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
+
+
+# The residual stream [batch, seq, hidden]: batch over dp/fsdp, sequence over sp, hidden whole.
+_RESIDUAL = ("batch", "seq", None)
 
 
 def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
@@ -219,6 +232,9 @@ class LlamaForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = _dense(config, config.hidden_size, config.vocab_size, False, rngs)
 
+    def _embed(self, input_ids: jax.Array) -> jax.Array:
+        return _embed_lookup(self.embed_tokens, input_ids)
+
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None, *,
                  positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg = self.config
@@ -230,19 +246,43 @@ class LlamaForCausalLM(nnx.Module):
                 positions = positions_from_mask(attention_mask)
             else:
                 positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        mask = make_attention_mask(b, s, attention_mask, segment_ids, cfg.sliding_window)
+        mask = constrain(make_attention_mask(b, s, attention_mask, segment_ids, cfg.sliding_window),
+                         ("batch", "seq", None))
         cos, sin = _rope_cos_sin(positions, rope_inv_freq(cfg))
 
-        x = self.embed_tokens(input_ids).astype(cfg.jnp_dtype)
+        # With a mesh set (`jax.set_mesh`), constraints keep activations batch-sharded: without them XLA may
+        # gather the whole batch next to an FSDP-sharded weight instead of gathering the (smaller) weight.
+        x = constrain(self._embed(input_ids).astype(cfg.jnp_dtype), _RESIDUAL)
         run = _run_layer_remat if cfg.remat else _run_layer
         for layer in self.layers:
             x = run(layer, x, cos, sin, mask)
         x = self.norm(x)
         if cfg.tie_word_embeddings:
-            logits = self.embed_tokens.attend(x)
+            logits = _embed_attend(self.embed_tokens, x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def _embed_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
+    """``embed(ids)``, but with the table gathered over the FSDP axes first when a mesh is set.
+
+    A lookup into a table split along the hidden dimension lets XLA move the whole batch of token ids and
+    gradients to the table's shards instead; gathering the (small) table, as FSDP does for every weight, keeps
+    the lookup local, and its transpose turns the gradient into a reduce-scatter. The vocabulary stays on tp.
+    """
+    (table,) = embed.promote_dtype((_gathered_table(embed),), dtype=embed.dtype, inexact=False)
+    return jnp.take(table, ids, axis=0)
+
+
+def _gathered_table(embed: nnx.Embed) -> jax.Array:
+    return constrain(embed.embedding[...], ("vocab", None))
+
+
+def _embed_attend(embed: nnx.Embed, x: jax.Array) -> jax.Array:
+    """``embed.attend(x)`` (tied lm_head) on the FSDP-gathered table, so logits stay batch-sharded."""
+    x, table = embed.promote_dtype((x, _gathered_table(embed)), dtype=embed.dtype)
+    return jnp.dot(x, table.T)
 
 
 def create_model(config: LlamaConfig, *, lazy: bool = False, rngs: Optional[nnx.Rngs] = None) -> LlamaForCausalLM:
