@@ -1,0 +1,350 @@
+"""Model parallelism: partition rules, their errors, hybrid meshes, activation sharding in the compiled HLO,
+and dp / fsdp / dp x fsdp / fsdp x tp (and sp) layouts matching a single-device run, in one process and on two
+real Ray workers."""
+import json
+import os
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ray_jax_train as rjt
+from ray_jax_train import sharding as S
+from ray_jax_train.config import LlamaConfig, MeshSpec
+from ray_jax_train.data import batch_sharding
+from ray_jax_train.mesh import make_mesh
+from ray_jax_train.models.llama import create_model
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0)
+BATCH, SEQ, STEPS, LR = 8, 16, 10, 3e-3
+# The layouts the 2-worker run checks (4 devices), in one fit; dp2 x fsdp2 is built as a hybrid (DCN) mesh.
+RAY_LAYOUTS = [{"dp": 4}, {"fsdp": 4}, {"dp": 2, "fsdp": 2}, {"fsdp": 2, "tp": 2}]
+
+
+# -- the training run every layout must reproduce -----------------------------------------------------------
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    return LlamaConfig(**{**TINY, **overrides})
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0):
+    """Random parameters from numpy (identical in every process, no eager JAX init to compile)."""
+    graphdef, abstract = nnx.split(create_model(cfg, lazy=True), nnx.Param)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype) + (x.ndim == 1),
+                          nnx.to_pure_dict(abstract))
+    return graphdef, params
+
+
+def global_batch(step: int, cfg: LlamaConfig) -> np.ndarray:
+    """The same global batch everywhere, made from the step number (data order is not under test here)."""
+    return np.random.default_rng(1000 + step).integers(0, cfg.vocab_size, (BATCH, SEQ + 1), dtype=np.int32)
+
+
+def make_step(graphdef, optimizer):
+    def loss_fn(params, ids):
+        logits = nnx.merge(graphdef, params)(ids[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    def step(state, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], ids)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+
+    return step
+
+
+def compile_step(cfg, axes=None, *, dcn=None, constrain=True):
+    """The train step compiled for a layout (`axes=None`: one device, no mesh) and its sharded initial state."""
+    graphdef, params = init_params(cfg)
+    optimizer = optax.adamw(LR, weight_decay=0.01)
+    step = make_step(graphdef, optimizer)
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    if axes is None:
+        state = {"params": jax.tree.map(jnp.asarray, params)}
+        state["opt_state"] = optimizer.init(state["params"])
+        return types.SimpleNamespace(compiled=jax.jit(step).lower(state, ids).compile(), state=state, mesh=None,
+                                     put=jnp.asarray)
+    mesh = S.make_hybrid_mesh(axes, dcn, granule="process") if dcn else make_mesh(axes)
+    S.check_llama_parallelism(cfg, mesh, batch_size=BATCH)
+    abstract = {"params": params, "opt_state": jax.eval_shape(optimizer.init, params)}
+    shardings = S.shardings_for(abstract, mesh)
+    params = S.shard_by_rules(params, mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+    data = batch_sharding(mesh)
+    jitted = jax.jit(step, in_shardings=(shardings, data), out_shardings=(shardings, None), donate_argnums=0)
+    if constrain:
+        with jax.set_mesh(mesh):
+            compiled = jitted.lower(abstract, ids).compile()
+    else:
+        compiled = jitted.lower(abstract, ids).compile()
+
+    def put(batch):
+        return jax.make_array_from_callback(batch.shape, data, lambda index: batch[index])
+
+    return types.SimpleNamespace(compiled=compiled, state={"params": params, "opt_state": opt_state}, mesh=mesh,
+                                 put=put)
+
+
+def to_host(tree):
+    """Full numpy copies of (possibly multi-process) global arrays."""
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
+def train(run, cfg):
+    state, losses = run.state, []
+    for i in range(STEPS):
+        state, loss = run.compiled(state, run.put(global_batch(i, cfg)))
+        losses.append(float(loss))
+    return state, losses
+
+
+def flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def assert_same_run(params, losses, reference, atol=1e-5):
+    ref_params, ref_losses = reference
+    np.testing.assert_allclose(losses, ref_losses, atol=atol, rtol=0)
+    ref = flat(ref_params)
+    got = flat(params)
+    assert got.keys() == ref.keys()
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], atol=atol, rtol=0, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-device run (no mesh, so no sharding constraints are active) every layout must match."""
+    cfg = tiny_config()
+    state, losses = train(compile_step(cfg), cfg)
+    assert losses[-1] < losses[0]
+    return to_host(state["params"]), losses
+
+
+# -- HLO: activations are never gathered over the batch ----------------------------------------------------
+
+
+def batch_gathers(hlo: str, batch: int, seqs) -> list:
+    """Collectives whose result is activation-shaped with the full global batch: [batch, seq, ...]."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all|collective-permute)\(", line)
+        if not match:
+            continue
+        dims = [int(d) for d in match.group(2).split(",") if d]
+        if len(dims) >= 2 and dims[0] == batch and dims[1] in seqs or batch * SEQ in dims:
+            found.append(f"{match.group(3)} {match.group(1)}{dims}")
+    return found
+
+
+def weight_gathers(hlo: str) -> list:
+    return re.findall(r"= (f32\[\d+,\d+\])\S* all-gather\(", hlo)
+
+
+# -- rules ------------------------------------------------------------------------------------------------
+
+
+def specs_by_path(tree, mesh, rules=None):
+    return {S.path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(
+        S.partition_specs(tree, mesh, rules), is_leaf=lambda x: isinstance(x, P))}
+
+
+def test_llama_rules_cover_params_and_optimizer_state():
+    mesh = jax.sharding.AbstractMesh((1, 2, 2), ("dp", "fsdp", "tp"))
+    for cfg in (tiny_config(), tiny_config(tie_word_embeddings=True, attention_bias=True, attention_out_bias=True)):
+        _, params = init_params(cfg)
+        state = {"step": np.int32(0), "params": params,
+                 "opt_state": jax.eval_shape(optax.adamw(1e-3).init, params)}
+        specs = specs_by_path(state, mesh)
+        assert specs["step"] == P()
+        assert specs["params/embed_tokens/embedding"] == P("tp", "fsdp")
+        assert specs["params/layers/1/self_attn/k_proj/kernel"] == P("fsdp", "tp")
+        assert specs["params/layers/0/self_attn/o_proj/kernel"] == P("tp", "fsdp")
+        assert specs["params/layers/0/mlp/up_proj/kernel"] == P("fsdp", "tp")
+        assert specs["params/layers/0/mlp/down_proj/kernel"] == P("tp", "fsdp")
+        assert specs["params/layers/0/post_attention_layernorm/weight"] == P()
+        assert specs["params/norm/weight"] == P()
+        if cfg.tie_word_embeddings:
+            assert specs["params/layers/0/self_attn/q_proj/bias"] == P("tp")
+            assert specs["params/layers/0/self_attn/o_proj/bias"] == P()
+            assert not any("lm_head" in k for k in specs)
+        else:
+            assert specs["params/lm_head/kernel"] == P("fsdp", "tp")
+        # Adam's moments take their parameter's spec, by the trailing path.
+        for key, spec in specs.items():
+            if key.startswith("params/"):
+                name = key[len("params/"):]
+                assert specs[f"opt_state/0/mu/{name}"] == spec
+                assert specs[f"opt_state/0/nu/{name}"] == spec
+        assert specs["opt_state/0/count"] == P()
+
+
+def test_rules_on_nnx_state_and_abstract_shapes_give_named_shardings():
+    mesh = make_mesh({"fsdp": 2, "tp": 2})
+    state = nnx.state(create_model(tiny_config(), lazy=True), nnx.Param)
+    shardings = S.shardings_for(state, mesh)  # nnx.State of ShapeDtypeStructs, Variables descended into
+    q = shardings["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    q = q.get_value() if isinstance(q, nnx.Variable) else q
+    assert isinstance(q, NamedSharding) and q.spec == P("fsdp", "tp")
+    # A user's own model and rules: strict, every axis must exist; a PartitionRules may mark axes optional.
+    tree = {"encoder": {"w": np.zeros((8, 4), np.float32)}, "head": np.zeros((4,), np.float32)}
+    rules = [(r"encoder/w$", P("fsdp", "tp")), (r"head$", P())]
+    placed = S.shard_by_rules(tree, mesh, rules)
+    assert placed["encoder"]["w"].sharding.spec == P("fsdp", "tp")
+    assert {s.data.shape for s in placed["encoder"]["w"].addressable_shards} == {(4, 2)}
+    dp_only = make_mesh({"dp": 4})
+    with pytest.raises(ValueError, match=r"mesh axis 'fsdp'.*only axes \('dp',\)"):
+        S.partition_specs(tree, dp_only, rules)
+    lenient = S.PartitionRules(tuple(rules), optional_axes=("fsdp", "tp"))
+    assert specs_by_path(tree, dp_only, lenient)["encoder/w"] == P()
+    # User rules first, built-in Llama rules after: the first match wins.
+    combined = S.PartitionRules([(r"lm_head/kernel$", P())]) + S.llama_partition_rules()
+    assert specs_by_path(state, mesh, combined)["lm_head/kernel"] == P()
+
+
+def test_absent_and_size_one_axes():
+    _, params = init_params(tiny_config())
+    dp_only = specs_by_path(params, jax.sharding.AbstractMesh((4,), ("dp",)))
+    assert set(dp_only.values()) == {P()}  # fsdp/tp/sp absent: replicated, nothing to split
+    sized_one = specs_by_path(params, jax.sharding.AbstractMesh((4, 1, 1), ("dp", "fsdp", "tp")))
+    assert sized_one["lm_head/kernel"] == P("fsdp", "tp")  # size-1 axes are harmless
+    with_sp = specs_by_path(params, jax.sharding.AbstractMesh((2, 2), ("fsdp", "sp")))
+    assert with_sp["layers/0/mlp/gate_proj/kernel"] == P(("fsdp", "sp"))  # sp devices hold weight shards too
+
+
+def test_bad_input_errors():
+    cfg = tiny_config()
+    _, params = init_params(cfg)
+    mesh = jax.sharding.AbstractMesh((4,), ("fsdp",))
+    with pytest.raises(ValueError, match=r"No partition rule matches 'lm_head/kernel' \(shape \(32, 128\)\)"):
+        S.partition_specs(params, mesh, S.PartitionRules(S.llama_partition_rules().rules[:-1], ("tp", "sp")))
+    with pytest.raises(ValueError, match=r"mesh axis 'model'.*only axes \('fsdp',\)"):
+        S.partition_specs(params, mesh, [(r".*", P("model"))])
+    odd = {"layers": {"0": {"mlp": {"down_proj": {"kernel": np.zeros((64, 30), np.float32)}}}}}
+    with pytest.raises(ValueError, match=r"'layers/0/mlp/down_proj/kernel' \(shape \(64, 30\)\): dimension 1 of size "
+                                         r"30 is not divisible by 4, the product of mesh axes \{'fsdp': 4\}"):
+        S.partition_specs(odd, mesh)
+    with pytest.raises(ValueError, match=r"gives 'norm/weight' the spec .* 2 entries, but the array has shape \(32,\)"):
+        S.partition_specs({"norm": {"weight": np.zeros(32)}}, mesh, [(r"weight$", P("fsdp", None))])
+    with pytest.raises(ValueError, match=r"Mesh axis 'tp'=4 cannot split the model's 2 key/value heads.*\[1, 2\]"):
+        S.check_llama_parallelism(cfg, jax.sharding.AbstractMesh((4,), ("tp",)))
+    with pytest.raises(ValueError, match=r"Global batch_size=6 is not divisible by the 4 batch shards"):
+        S.check_llama_parallelism(cfg, jax.sharding.AbstractMesh((2, 2, 1), ("dp", "fsdp", "tp")), batch_size=6)
+    with pytest.raises(ValueError, match="regex"):
+        S.PartitionRules([("(", P())])
+
+
+def test_hybrid_mesh_plan_simulated():
+    """SIMULATED multi-slice: fake devices carrying slice_index, since a CPU host has no TPU slices."""
+    fake = [types.SimpleNamespace(id=i, process_index=i // 2, slice_index=i // 4, platform="cpu", device_kind="cpu")
+            for i in range(8)]
+    grid, sizes = S.hybrid_device_grid(MeshSpec(axis_names=("dp", "fsdp", "tp"), axis_dims=(2, -1, 1)),
+                                       {"dp": 2}, fake)
+    assert sizes == {"dp": 2, "fsdp": 4, "tp": 1} and grid.shape == (2, 4, 1)
+    assert [{d.slice_index for d in grid[i].ravel()} for i in range(2)] == [{0}, {1}]  # dp crosses slices only
+    grid, _ = S.hybrid_device_grid({"dp": 2, "fsdp": 4}, (1, -1), fake)  # fsdp spans the two slices
+    assert [[d.slice_index for d in row] for row in grid] == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    grid, _ = S.hybrid_device_grid({"dp": 4, "fsdp": 2}, {"dp": 4}, fake, granule="process")  # hosts as granules
+    assert [[d.process_index for d in row] for row in grid] == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    with pytest.raises(ValueError, match=r"multiply to 4, but the devices form 2 slice"):
+        S.hybrid_device_grid({"dp": 4, "fsdp": 2}, {"dp": 4}, fake)
+    with pytest.raises(ValueError, match=r"dp=2 are not divisible by their dcn sizes dp=4"):
+        S.hybrid_device_grid({"dp": 2, "fsdp": 4}, {"dp": 4}, fake, granule="process")
+    with pytest.raises(ValueError, match=r"not mesh axes"):
+        S.hybrid_device_grid({"dp": 2, "fsdp": 4}, {"data": 2}, fake)
+    # One slice: the ordinary mesh.
+    assert S.make_hybrid_mesh({"dp": 2, "fsdp": 2}, {"dp": 1}).shape == {"dp": 2, "fsdp": 2}
+
+
+# -- in-process layouts: HLO and numerics -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 4}, {"fsdp": 2, "tp": 2}, {"dp": 2, "sp": 2}],
+                         ids=["fsdp4", "fsdp2xtp2", "dp2xsp2"])
+def test_layout_hlo_has_no_batch_gather_and_matches_single_device(axes, reference):
+    cfg = tiny_config()
+    run = compile_step(cfg, axes)
+    hlo = run.compiled.as_text()
+    assert batch_gathers(hlo, BATCH, {SEQ, SEQ // 2}) == []
+    assert weight_gathers(hlo)  # FSDP gathers weights instead (the check above is not vacuous)
+    if "sp" in axes:
+        # Keys/values are gathered over sp along the sequence, for the local batch rows only.
+        assert batch_gathers(hlo, BATCH // 2, {SEQ})
+    state, losses = train(run, cfg)
+    assert_same_run(to_host(state["params"]), losses, reference)
+
+
+def test_hlo_check_catches_gathers_without_the_model_constraints():
+    """Negative control: compiled without a mesh in context, XLA does gather whole-batch activations."""
+    run = compile_step(tiny_config(), {"fsdp": 4}, constrain=False)
+    assert batch_gathers(run.compiled.as_text(), BATCH, {SEQ})
+
+
+# -- two real Ray workers x 2 CPU devices -----------------------------------------------------------------
+
+
+def layouts_loop(config):
+    """Runs in each worker: every layout in turn, with the results written by rank 0 (bytes by every rank)."""
+    cfg = tiny_config()
+    assert dict(rjt.get_mesh().shape) == dict(config["layouts"][0])  # JaxConfig(mesh=...) reaches the loop
+    out = {"process_count": jax.process_count(), "layouts": []}
+    for axes in config["layouts"]:
+        dcn = {"dp": 2} if axes == {"dp": 2, "fsdp": 2} else None
+        run = compile_step(cfg, axes, dcn=dcn)
+        replicated = sum(x.nbytes for x in jax.tree.leaves(run.state))
+        state, losses = train(run, cfg)
+        per_device = S.bytes_per_device(state)
+        out["layouts"].append({"axes": axes, "losses": losses, "replicated_bytes": replicated,
+                               "device_bytes": sorted(per_device.values()),
+                               "mesh_devices": [d.process_index for d in run.mesh.devices.ravel()]})
+        params = to_host(state["params"])
+        if jax.process_index() == 0:
+            np.savez(os.path.join(config["out"], f"params{len(out['layouts']) - 1}.npz"), **flat(params))
+    with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_two_workers_four_layouts_match_single_device(ray_cluster, tmp_path, reference):
+    from ray.train import RunConfig, ScalingConfig
+
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = rjt.JaxTrainer(
+        layouts_loop, train_loop_config={"out": str(out), "layouts": RAY_LAYOUTS},
+        scaling_config=ScalingConfig(num_workers=2),
+        jax_config=rjt.JaxConfig(num_cpu_devices=2, mesh=RAY_LAYOUTS[0]),
+        run_config=RunConfig(storage_path=str(tmp_path / "storage")))
+    result = trainer.fit()
+    assert result.error is None
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ref_params, ref_losses = reference
+    for i, axes in enumerate(RAY_LAYOUTS):
+        for info in ranks:
+            layout = info["layouts"][i]
+            assert info["process_count"] == 2 and layout["axes"] == axes
+            np.testing.assert_allclose(layout["losses"], ref_losses, atol=1e-5, rtol=0)
+            assert layout["mesh_devices"] == [0, 0, 1, 1]  # each process owns a contiguous block
+        got = dict(np.load(out / f"params{i}.npz"))
+        ref = flat(ref_params)
+        assert got.keys() == ref.keys()
+        for key in ref:
+            np.testing.assert_allclose(got[key], ref[key], atol=1e-5, rtol=0, err_msg=f"{axes} {key}")
+    # FSDP over 4 devices: each device holds a quarter of params + Adam state (+10% for norms and counters).
+    fsdp = ranks[0]["layouts"][RAY_LAYOUTS.index({"fsdp": 4})]
+    for info in ranks:
+        layout = info["layouts"][RAY_LAYOUTS.index({"fsdp": 4})]
+        assert len(layout["device_bytes"]) == 2
+        assert max(layout["device_bytes"]) <= fsdp["replicated_bytes"] / 4 * 1.1, layout
+    dp = ranks[0]["layouts"][RAY_LAYOUTS.index({"dp": 4})]
+    assert min(dp["device_bytes"]) == dp["replicated_bytes"]  # the unsharded figure it is compared against
