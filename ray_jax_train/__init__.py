@@ -24,6 +24,15 @@ _LAZY = {
     "from_pretrained": "ray_jax_train.models",
     "save_pretrained": "ray_jax_train.models",
     "flops_per_token": "ray_jax_train.models",
+    # checkpoints
+    "JaxCheckpointer": "ray_jax_train.checkpoint",
+    "ResumableBatches": "ray_jax_train.checkpoint",
+    "abstract_state": "ray_jax_train.checkpoint",
+    "save_and_report": "ray_jax_train.checkpoint",
+    "restore": "ray_jax_train.checkpoint",
+    "wait_for_saves": "ray_jax_train.checkpoint",
+    "Restored": "ray_jax_train.checkpoint",
+    "CheckpointCorruptError": "ray_jax_train.checkpoint",
     # text pipeline
     "train_tokenizer": "ray_jax_train.text",
     "load_tokenizer": "ray_jax_train.text",
