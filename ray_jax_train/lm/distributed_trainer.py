@@ -44,6 +44,12 @@ def _json_safe(variables: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _too_few_cpus(args: TrainingArguments) -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 1
+
+
 class RayDistributedTrainer:
     """Train a scaled Llama-family causal LM on Ray workers.
 
@@ -259,10 +265,11 @@ class RayDistributedTrainer:
                 max_position_embeddings=config.max_position_embeddings)
             if eval_columns != columns:
                 raise ValueError(f"dataset_eval feeds columns {eval_columns}, dataset_train {columns}; they must match.")
-        total_steps = args.total_steps
-        if total_steps is None:
-            train_ds = datasets["train"] = train_ds.materialize()  # counted once, then read from the object store
-            total_steps = args.steps_for_rows(train_ds.count())
+        if args.total_steps is None or _too_few_cpus(args):
+            # Tokenise now, on the driver's cluster: to count rows for num_epochs, or because the training
+            # workers would hold every CPU and leave none for the Ray Data actors (a silent hang).
+            datasets = {name: ds.materialize() for name, ds in datasets.items()}
+        total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
         if args.warmup_steps > total_steps:
             raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps.")
 

@@ -94,7 +94,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, accumulat
             (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, carry, _micro_batches(batch, accumulation_steps))
         denom = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state}

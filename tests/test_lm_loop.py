@@ -1,0 +1,183 @@
+"""The built-in causal-LM loop: accumulation, 2-worker data parallel against one process, argument checks."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from ray.train import RunConfig, ScalingConfig
+
+import ray_jax_train as rjt
+from ray_jax_train.config import LlamaConfig
+from ray_jax_train.lm import TrainingArguments, make_optimizer, make_train_step, read_metrics, shard_state
+from ray_jax_train.lm.loop import train_loop_per_worker
+from ray_jax_train.lm.state import split_model
+from ray_jax_train.lm.step import new_state
+from ray_jax_train.models import create_model, from_pretrained
+from ray_jax_train.text import pack_documents
+
+SEQ, VOCAB = 32, 256
+CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+def packed_rows(num_docs=120, seed=0):
+    """Packed rows of random documents with a learnable rule (each token is the previous one + 1)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(num_docs):
+        start, length = rng.integers(1, VOCAB), rng.integers(4, 40)
+        docs.append((start + np.arange(length)) % (VOCAB - 1) + 1)
+    return pack_documents(docs, SEQ)
+
+
+def _max_diff(a, b):
+    return max(float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y)))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    rows = {k: v[:16] for k, v in packed_rows().items()}
+    mesh = rjt.make_mesh({"dp": 4})
+    batch = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec("dp"))) for k, v in rows.items()}
+    results = {}
+    for k in (1, 4):
+        # adam_epsilon well above float32 rounding: Adam with eps=1e-8 turns 1e-7 relative differences in a
+        # near-zero gradient into lr-sized steps, which would test the optimizer's conditioning, not accumulation.
+        args = TrainingArguments(total_steps=3, batch_size=16, gradient_accumulation_steps=k, max_sequence_length=SEQ,
+                                 learning_rate=1e-2, adam_epsilon=1e-4)
+        optimizer, _ = make_optimizer(args, 3)
+        graphdef, params = split_model(create_model(CONFIG))
+        state = shard_state(new_state(params, optimizer), mesh)
+        step = jax.jit(make_train_step(graphdef, optimizer, k), donate_argnums=(0,))
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        results[k] = (state["params"], losses)
+    assert results[1][1][0] > results[1][1][-1]  # it trains
+    np.testing.assert_allclose(results[1][1], results[4][1], rtol=1e-5)
+    assert _max_diff(results[1][0], results[4][0]) < 1e-5
+    # Not vacuous: the params moved by far more than the tolerance.
+    assert _max_diff(results[1][0], split_model(create_model(CONFIG))[1]) > 1e-3
+
+
+def test_micro_batch_split_changes_nothing_for_uneven_token_counts():
+    """Rows with very different loss-token counts: the token-weighted mean must not depend on the split."""
+    rows = {k: v[:8].copy() for k, v in packed_rows().items()}
+    rows["loss_mask"][::2, SEQ // 4:] = 0  # every other row keeps a quarter of its targets
+    graphdef, params = split_model(create_model(CONFIG))
+    args = TrainingArguments(total_steps=1, batch_size=8, max_sequence_length=SEQ, adam_epsilon=1e-4)
+    optimizer, _ = make_optimizer(args, 1)
+    out = [jax.jit(make_train_step(graphdef, optimizer, k))(new_state(params, optimizer), rows)[1]["loss"]
+           for k in (1, 2, 8)]
+    np.testing.assert_allclose([float(x) for x in out], float(out[0]), rtol=1e-6)
+
+
+def test_training_arguments_reject_bad_values():
+    with pytest.raises(ValueError, match="not divisible by gradient_accumulation_steps"):
+        TrainingArguments(total_steps=10, batch_size=10, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="warmup_steps=20 is longer than total_steps=10"):
+        TrainingArguments(total_steps=10, warmup_steps=20)
+    with pytest.raises(ValueError, match="total_steps"):
+        TrainingArguments(total_steps=0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        TrainingArguments(learning_rate=-1.0)
+    with pytest.raises(ValueError, match="not a supported dtype"):
+        TrainingArguments(dtype="float8")
+    with pytest.raises(ValueError, match="only one size can be inferred"):
+        TrainingArguments(mesh={"dp": -1, "fsdp": -1})
+    with pytest.raises(ValueError, match="no batch axis"):
+        TrainingArguments(mesh={"tp": -1})
+    with pytest.raises(ValueError, match="scheduler"):
+        TrainingArguments(scheduler="exponential")
+    with pytest.raises(ValueError, match="Extra inputs"):
+        TrainingArguments(learning_rte=1e-3)
+    with pytest.raises(ValueError, match="does not split over the 4 batch shards"):
+        TrainingArguments(batch_size=6, mesh={"dp": -1}).check_devices(4)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        TrainingArguments(batch_size=64).steps_for_rows(10)
+    args = TrainingArguments(num_epochs=3, batch_size=8, dtype="bf16")
+    assert args.dtype == "bfloat16" and args.steps_for_rows(20) == 6
+
+
+def test_schedule_warms_up_then_decays():
+    from ray_jax_train.lm.step import make_schedule
+
+    args = TrainingArguments(total_steps=100, learning_rate=1.0, warmup_steps=10, min_learning_rate_ratio=0.1)
+    schedule = make_schedule(args, 100)
+    assert float(schedule(0)) == 0.0 and float(schedule(10)) == pytest.approx(1.0)
+    assert float(schedule(100)) == pytest.approx(0.1)
+    assert float(schedule(5)) == pytest.approx(0.5)
+    linear = make_schedule(args.model_copy(update={"scheduler": "linear"}), 100)
+    assert float(linear(55)) == pytest.approx(0.55)
+
+
+def test_two_workers_match_one_process(ray_cluster, tmp_path):
+    """2 workers x 2 CPU devices (dp=2, fsdp=2, 2 micro-batches) == the same jitted step in this process."""
+    import ray.data
+
+    steps, record = 5, tmp_path / "record"
+    rows = packed_rows()
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=steps, batch_size=8, gradient_accumulation_steps=2, max_sequence_length=SEQ,
+                             learning_rate=3e-3, warmup_steps=2, adam_epsilon=1e-4, log_steps=1,
+                             mesh={"dp": 2, "fsdp": -1}, progress_bar=False, resume_if_possible=False)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": steps,
+                           "record_dir": str(record)},
+        scaling_config=ScalingConfig(num_workers=2),
+        jax_config=rjt.JaxConfig(num_cpu_devices=2),
+        run_config=RunConfig(name="parity", storage_path=str(tmp_path / "storage")),
+        datasets={"train": dataset},
+    )
+    result = trainer.fit()
+    assert result.error is None
+
+    initial = dict(np.load(record / "initial_params.npz"))
+    final = dict(np.load(record / "final_params.npz"))
+    batches = dict(np.load(record / "batches.npz"))
+    assert batches["input_ids"].shape == (steps, 8, SEQ)
+    # Scratch init inside jit on the mesh gives the model's own seeded init.
+    graphdef, params = split_model(create_model(CONFIG))
+    flat_eager = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    assert flat_eager.keys() == initial.keys()
+    assert max(float(np.max(np.abs(flat_eager[k] - initial[k]))) for k in initial) < 1e-6
+
+    optimizer, _ = make_optimizer(args, steps)
+    step = jax.jit(make_train_step(graphdef, optimizer, 2))
+    state = new_state(params, optimizer)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, {k: v[i] for k, v in batches.items()})
+        losses.append(float(metrics["loss"]))
+    ref = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+    assert max(float(np.max(np.abs(ref[k] - final[k]))) for k in final) < 1e-5
+    assert max(float(np.max(np.abs(ref[k] - initial[k]))) for k in final) > 1e-3  # it did train
+
+    records = read_metrics(result.path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in records[1:])
+    assert records[-1]["learning_rate"] < records[1]["learning_rate"]  # cosine decay after warmup
+    # The exported final model is the trained one.
+    _, exported_params = split_model(from_pretrained(os.path.join(result.path, "final_model")))
+    assert _max_diff(exported_params, state["params"]) < 1e-5
+
+
+def test_loop_without_total_steps_fails_clearly(ray_cluster, tmp_path):
+    import ray.data
+
+    args = TrainingArguments(batch_size=2, max_sequence_length=SEQ, num_epochs=1)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump()},
+        run_config=RunConfig(name="no_steps", storage_path=str(tmp_path / "storage")),
+        datasets={"train": ray.data.range(4)},
+    )
+    with pytest.raises(Exception, match="needs total_steps"):
+        result = trainer.fit()
+        if result.error:
+            raise result.error
