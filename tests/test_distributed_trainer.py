@@ -1,0 +1,183 @@
+"""RayDistributedTrainer: the four starting points, 2-worker training, outputs, and driver-side errors."""
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from ray_jax_train.lm import RayDistributedTrainer, TrainingArguments, read_metrics
+from ray_jax_train.lm.state import split_model
+from ray_jax_train.text import EmptyDatasetError, MissingColumnError, train_tokenizer
+
+SEQ = 32
+SCALING = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+FIXED = {"num_hidden_layers": 2, "dtype": "float32", "param_dtype": "float32", "max_position_embeddings": 64}
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def sentences(n, seed=0):
+    """Short texts that follow a fixed word cycle from a random start: easy to learn, so the loss falls fast."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        start, length = rng.integers(len(WORDS)), rng.integers(6, 14)
+        out.append({"text": " ".join(WORDS[(start + i) % len(WORDS)] for i in range(length))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer([r["text"] for r in sentences(200)] * 3, vocab_size=300, save_dir=str(path))
+    return str(path)
+
+
+def make_trainer(tokenizer_dir, record_dir=None, **kwargs):
+    trainer = RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
+                                    config_variables=FIXED, **kwargs)
+    if record_dir is not None:
+        trainer._extra_loop_config = {"record_dir": str(record_dir)}  # test hook: rank 0 writes initial params
+    return trainer
+
+
+def one_step_args(tmp_path, name):
+    return TrainingArguments(total_steps=1, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-3,
+                             num_workers=1, output_dir=str(tmp_path / "runs"), run_name=name, progress_bar=False,
+                             save_final_model=False, resume_if_possible=False)
+
+
+def flat(params):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def assert_same_params(recorded_npz, expected_flat, atol=1e-6):
+    recorded = dict(np.load(recorded_npz))
+    assert recorded.keys() == expected_flat.keys()
+    worst = max(float(np.max(np.abs(recorded[k] - expected_flat[k]))) for k in recorded)
+    assert worst < atol, worst
+
+
+@pytest.fixture(scope="module")
+def scratch_run(ray_cluster, tokenizer_dir, tmp_path_factory):
+    """2 workers train a new model (the scratch branch) with eval, a checkpoint and the final export."""
+    tmp = tmp_path_factory.mktemp("scratch")
+    trainer = make_trainer(tokenizer_dir, record_dir=tmp / "record")
+    args = TrainingArguments(total_steps=40, batch_size=8, max_sequence_length=SEQ, learning_rate=1e-2, warmup_steps=4,
+                             log_steps=5, eval_steps=20, max_eval_steps=2, save_steps=40, num_workers=2,
+                             output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False)
+    result = trainer.train(1, args, sentences(300), dataset_eval=sentences(20, seed=1))
+    return trainer, result, tmp / "record"
+
+
+def test_scratch_two_workers_lower_the_loss(scratch_run):
+    trainer, result, record = scratch_run
+    assert result.error is None
+    # Started from the scaled model's own seeded init.
+    _, params = split_model(trainer.create_model(scaling_index=1))
+    assert_same_params(record / "initial_params.npz", flat(params))
+    records = read_metrics(result.path)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 8
+    assert losses[-1] < 0.6 * losses[0], losses
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(r["grad_norm"] > 0 and r["learning_rate"] > 0 and r["perplexity"] > 1 for r in records if "loss" in r)
+    # Outputs: a Ray-registered checkpoint, and an HF model directory with the tokenizer.
+    assert result.checkpoint is not None
+    final = os.path.join(result.path, "final_model")
+    assert os.path.isfile(os.path.join(final, "model.safetensors"))
+    assert os.path.isfile(os.path.join(final, "tokenizer.json"))
+
+
+def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenizer_dir, tmp_path):
+    _, result, record = scratch_run
+    trained = dict(np.load(record / "final_params.npz"))
+    for source in (result.checkpoint.path, os.path.join(result.path, "final_model")):  # orbax, then HF
+        name = "from_hf" if source.endswith("final_model") else "from_ckpt"
+        trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / name, checkpoint_path=source)
+        out = trainer.train(1, one_step_args(tmp_path, name), sentences(40))
+        assert out.error is None
+        assert_same_params(tmp_path / name / "initial_params.npz", trained)
+
+
+def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tmp_path):
+    trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record")
+    model = trainer.create_model(trainer.create_config(1).replace(seed=7))
+    _, params = split_model(model)
+    trainer.train(1, one_step_args(tmp_path, "model"), sentences(40), model=model)
+    assert_same_params(tmp_path / "record" / "initial_params.npz", flat(params))
+    # Not the default init: the check above could not pass by accident.
+    _, default = split_model(trainer.create_model(scaling_index=1))
+    assert not np.allclose(flat(default)["['lm_head']['kernel']"], flat(params)["['lm_head']['kernel']"])
+
+
+def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir, tmp_path):
+    trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record", checkpoint_path=tokenizer_dir)
+    config = trainer.create_config(1)
+    _, state_params = split_model(trainer.create_model(config.replace(seed=11)))
+    other_model = trainer.create_model(config.replace(seed=7))
+    trainer.train(1, one_step_args(tmp_path, "state"), sentences(40), model=other_model,
+                  state={"params": state_params, "step": 0})
+    assert_same_params(tmp_path / "record" / "initial_params.npz", flat(state_params))
+
+
+def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
+    with pytest.raises(ValueError, match="model_type='gpt9' is not supported"):
+        RayDistributedTrainer(tokenizer_dir, model_type="gpt9")
+    with pytest.raises(ValueError, match="model_task"):
+        RayDistributedTrainer(tokenizer_dir, model_type="llama", model_task="image-classification")
+    with pytest.raises(ValueError, match="not model config fields"):
+        RayDistributedTrainer(tokenizer_dir, config_variables={"hidden_sise": 3})
+    trainer = make_trainer(tokenizer_dir)
+    args = one_step_args(tmp_path, "errors")
+    with pytest.raises(ValueError, match="scaling_index=0 is invalid"):
+        trainer.train(0, args, sentences(10))
+    with pytest.raises(EmptyDatasetError):
+        trainer.train(1, args, [])
+    with pytest.raises(MissingColumnError, match="neither a text column 'text'"):
+        trainer.train(1, args, [{"content": "no text column here"}])
+    with pytest.raises(ValueError, match="does not fit the model config"):
+        _, wrong = split_model(trainer.create_model(scaling_index=2))
+        trainer.train(1, args, sentences(10), state={"params": wrong})
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        trainer.train(1, args.model_copy(update={"max_sequence_length": 128}), sentences(10))
+    with pytest.raises(ValueError, match="does not split over the 2 batch shards"):
+        trainer.train(1, args.model_copy(update={"num_workers": 2, "batch_size": 3}), sentences(10))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
+
+
+def test_config_round_trip_scaling_and_samples(tokenizer_dir, tmp_path):
+    trainer = make_trainer(tokenizer_dir)
+    one, two = trainer.create_config(1), trainer.create_config(2)
+    assert (two.hidden_size, two.intermediate_size, two.num_attention_heads) == (64, 128, 4)
+    assert one.num_hidden_layers == two.num_hidden_layers == 2 and one.vocab_size == len(trainer.load_processor())
+    lazy = trainer.create_model(one, lazy=True)
+    assert isinstance(jax.tree.leaves(split_model(lazy)[1])[0], jax.ShapeDtypeStruct)
+    trainer.save_config(tmp_path / "trainer.json")
+    again = RayDistributedTrainer.from_config(tmp_path / "trainer.json")
+    assert again.create_config(3) == trainer.create_config(3)
+
+    sample = trainer.process_sample_data("alpha beta gamma", max_length=16)
+    assert sample["input_ids"].shape == (16,) and sample["attention_mask"][-1] == 1  # left padded
+    chat = trainer.process_messages_data([{"role": "user", "content": "alpha"},
+                                          {"role": "assistant", "content": "beta"}], max_length=24)
+    assert chat["input_ids"].shape == (24,) and chat["attention_mask"].sum() > 4
+    import datasets
+
+    assert trainer.extract_column_names(datasets.Dataset.from_list([{"text": "x", "id": 1}])) == ["text", "id"]
+
+
+def test_load_processor_pads_with_eos_and_warns(tokenizer_dir, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "nopad")
+    with caplog.at_level(logging.WARNING):
+        trainer = RayDistributedTrainer(str(tmp_path / "nopad"), config_scaling_variables=SCALING,
+                                        config_variables=FIXED)
+        loaded = trainer.load_processor()
+    assert loaded.pad_token_id == loaded.eos_token_id
+    assert any("no pad token" in r.getMessage() for r in caplog.records)
