@@ -33,6 +33,15 @@ def tokenizer_dir(tmp_path_factory):
     return str(path)
 
 
+def packed_rows(n=16):
+    """Pre-tokenised rows (used as they are, no tokenising actors): the 1-step runs only need a batch."""
+    from ray_jax_train.text import pack_documents
+
+    rng = np.random.default_rng(0)
+    rows = pack_documents([rng.integers(1, 300, size=20) for _ in range(2 * n)], SEQ)
+    return [{k: v[i] for k, v in rows.items()} for i in range(len(rows["input_ids"]))]
+
+
 def make_trainer(tokenizer_dir, record_dir=None, **kwargs):
     trainer = RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
                                     config_variables=FIXED, **kwargs)
@@ -96,7 +105,7 @@ def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenize
     for source in (result.checkpoint.path, os.path.join(result.path, "final_model")):  # orbax, then HF
         name = "from_hf" if source.endswith("final_model") else "from_ckpt"
         trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / name, checkpoint_path=source)
-        out = trainer.train(1, one_step_args(tmp_path, name), sentences(40))
+        out = trainer.train(1, one_step_args(tmp_path, name), packed_rows())
         assert out.error is None
         assert_same_params(tmp_path / name / "initial_params.npz", trained)
 
@@ -105,7 +114,7 @@ def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tm
     trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record")
     model = trainer.create_model(trainer.create_config(1).replace(seed=7))
     _, params = split_model(model)
-    trainer.train(1, one_step_args(tmp_path, "model"), sentences(40), model=model)
+    trainer.train(1, one_step_args(tmp_path, "model"), packed_rows(), model=model)
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(params))
     # Not the default init: the check above could not pass by accident.
     _, default = split_model(trainer.create_model(scaling_index=1))
@@ -117,7 +126,7 @@ def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir,
     config = trainer.create_config(1)
     _, state_params = split_model(trainer.create_model(config.replace(seed=11)))
     other_model = trainer.create_model(config.replace(seed=7))
-    trainer.train(1, one_step_args(tmp_path, "state"), sentences(40), model=other_model,
+    trainer.train(1, one_step_args(tmp_path, "state"), packed_rows(), model=other_model,
                   state={"params": state_params, "step": 0})
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(state_params))
 

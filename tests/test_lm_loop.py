@@ -181,3 +181,25 @@ def test_loop_without_total_steps_fails_clearly(ray_cluster, tmp_path):
         result = trainer.fit()
         if result.error:
             raise result.error
+
+
+def test_bf16_compute_keeps_float32_master_weights():
+    from ray_jax_train.lm.distributed_trainer import RayDistributedTrainer
+
+    trainer = RayDistributedTrainer(config_variables={"vocab_size": VOCAB, "num_hidden_layers": 1},
+                                    config_scaling_variables={"hidden_size": 32, "intermediate_size": 64,
+                                                              "num_attention_heads": 2, "num_key_value_heads": 1})
+    args = TrainingArguments(total_steps=2, batch_size=4, max_sequence_length=SEQ, dtype="bf16", param_dtype="float32",
+                             learning_rate=1e-2)
+    config = trainer._train_config(1, args, None)
+    assert (config.dtype, config.param_dtype) == ("bfloat16", "float32")
+    graphdef, params = split_model(create_model(config))
+    optimizer, _ = make_optimizer(args, 2)
+    state = new_state(params, optimizer)
+    rows = {k: v[:4] for k, v in packed_rows().items()}
+    step = jax.jit(make_train_step(graphdef, optimizer))
+    state, first = step(state, rows)
+    state, second = step(state, rows)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))
+    assert np.isfinite(float(second["loss"])) and float(second["loss"]) < float(first["loss"])
+    assert _max_diff(state["params"], params) > 1e-3
