@@ -1,0 +1,254 @@
+"""`ray-jax-train`: train, tune, plot and check configs from the command line (also `python -m ray_jax_train`).
+
+    ray-jax-train fit examples/tiny_llama.yaml --set training.total_steps=50
+    ray-jax-train tune examples/tune_tiny_llama.yaml
+    ray-jax-train plot runs/tiny-llama
+    ray-jax-train config show examples/tiny_llama.yaml --set scaling.num_workers=2
+    ray-jax-train config validate examples/tiny_llama.yaml
+
+Exit codes: 0 success, 2 bad config or usage (said before anything starts), 1 training failed.
+Ray address: --address, else RAY_ADDRESS (set by `ray job submit`), else run.address, else a new local Ray.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+_NOISY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune", "jax", "absl", "orbax", "ray_jax_train")
+
+
+class UsageError(Exception):
+    """Bad command-line use: exit 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show Ray, Ray Data and JAX logs and full tracebacks")
+    with_config = argparse.ArgumentParser(add_help=False, parents=[common])
+    with_config.add_argument("config", help="YAML or JSON config file")
+    with_config.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                             help="override one setting by its dotted path, e.g. --set training.learning_rate=1e-3 "
+                                  "(repeatable; VALUE is read as YAML)")
+    with_ray = argparse.ArgumentParser(add_help=False)
+    with_ray.add_argument("--address", default=None,
+                          help="Ray cluster to use ('auto' = the one `ray start` made here); default: RAY_ADDRESS, "
+                               "then run.address, then a new local Ray instance")
+
+    parser = argparse.ArgumentParser(prog="ray-jax-train", parents=[common], description=__doc__.split("\n\n")[0],
+                                     epilog="Exit codes: 0 success, 2 bad config, 1 training failed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    sub.add_parser("fit", parents=[with_config, with_ray], help="train the model a config describes")
+    sub.add_parser("tune", parents=[with_config, with_ray], help="run the config's hyperparameter search")
+    plot = sub.add_parser("plot", parents=[common], help="write PNG curves of loss, learning rate and tokens/s")
+    plot.add_argument("run_dir", help="a run directory (<storage_path>/<run name>) with metrics.jsonl")
+    plot.add_argument("-o", "--output", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    plot.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1) (default 0.6)")
+    config = sub.add_parser("config", parents=[common], help="show or validate a config")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
+    config_sub.required = True
+    config_sub.add_parser("show", parents=[with_config], help="print the effective config, defaults filled in")
+    config_sub.add_parser("validate", parents=[with_config], help="check a config; exit 0 if it is valid, else 2")
+    return parser
+
+
+def _quiet(verbose: bool) -> None:
+    if verbose:
+        return
+    from ray_jax_train.run_config import QUIET_ENV
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
+
+
+def _connect(config, address: Optional[str], verbose: bool):
+    """Join the cluster the user named, or start a private local one (never someone else's by accident)."""
+    import ray
+
+    from ray_jax_train.run_config import QUIET_ENV
+
+    if ray.is_initialized():
+        return ray
+    address = address or os.environ.get("RAY_ADDRESS") or config.run.address
+    kwargs = dict(logging_level=logging.INFO if verbose else logging.ERROR, log_to_driver=True)
+    if not address or address == "local":
+        need = config.scaling.num_workers * (config.scaling.cpus_per_worker or 1)
+        # Logical CPUs beyond the workers' leave room for Ray Data on a small machine.
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1), include_dashboard=False,
+                 runtime_env=None if verbose else {"env_vars": dict(QUIET_ENV)}, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+    if not verbose:
+        import ray.data
+
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        context.print_on_execution_start = False
+        for name in _NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
+    return ray
+
+
+def _resume_hint(args, name: str) -> str:
+    sets = [s for s in args.overrides if not s.startswith("run.name=")] + [f"run.name={name}"]
+    return "ray-jax-train fit " + args.config + "".join(f" --set {s}" for s in sets)
+
+
+def cmd_fit(args) -> int:
+    from ray_jax_train.run_config import ConfigError, build_trainer, check_cluster_fits, load_config
+
+    config = load_config(args.config, args.overrides)
+    _connect(config, args.address, args.verbose)
+    check_cluster_fits(config.scaling)
+    started = time.time()
+    try:
+        trainer, info = build_trainer(config, quiet=not args.verbose)
+    except (ValueError, FileNotFoundError) as exc:  # data or sizes the driver can see are wrong: a config problem
+        raise ConfigError(str(exc)) from None
+    print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
+          f"outputs in {info['run_dir']}", flush=True)
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # the run failed after it started: exit 1, not 2
+        return _training_failed(exc, args.verbose, info["run_dir"])
+    _summary(args, result, info, started)
+    return EXIT_OK
+
+
+def _training_failed(exc: BaseException, verbose: bool, run_dir: str) -> int:
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc)
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause).strip().splitlines()
+    print(f"[ray-jax-train] training failed: {type(cause).__name__}: {text[-1] if text else ''}", file=sys.stderr)
+    print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
+          file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _summary(args, result, info, started: float) -> None:
+    from ray_jax_train.plot import read_records
+
+    run_dir = info["run_dir"]
+    try:
+        records = [r for r in read_records(run_dir) if "loss" in r]
+    except FileNotFoundError:
+        records = []
+    lines = ["", "=== ray-jax-train: done ===", f"run:         {info['name']} ({time.time() - started:.0f}s)"]
+    if records:
+        first, last = records[0], records[-1]
+        lines.append(f"train loss:  {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} "
+                     f"(step {last['step']}); {last.get('tokens_per_s', 0):.0f} tokens/s")
+    lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
+    if result.checkpoint is not None:
+        kept = len(getattr(result, "best_checkpoints", None) or [])
+        lines.append(f"checkpoint:  {result.checkpoint.path} (latest; {kept} kept)")
+    else:
+        lines.append("checkpoint:  none (set training.save_steps to save some)")
+    if os.path.isdir(os.path.join(run_dir, "final_model")):
+        lines.append(f"final model: {os.path.join(run_dir, 'final_model')} (HF safetensors + tokenizer)")
+    lines.append(f"resume:      {_resume_hint(args, info['name'])}")
+    lines.append(f"plot:        ray-jax-train plot {run_dir}")
+    print("\n".join(lines), flush=True)
+
+
+def cmd_tune(args) -> int:
+    from ray_jax_train import tune
+    from ray_jax_train.run_config import ConfigError, load_config
+
+    config = load_config(args.config, args.overrides)  # validate before Ray starts
+    _connect(config, args.address, args.verbose)
+    started = time.time()
+    try:
+        outcome = tune.run(args.config, overrides=args.overrides)
+    except (ConfigError, FileNotFoundError):
+        raise
+    except Exception as exc:
+        return _training_failed(exc, args.verbose, os.path.abspath(config.run.storage_path))
+    grid = outcome.results
+    print("\n=== ray-jax-train: search done ===")
+    print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {time.time() - started:.0f}s)")
+    print(f"best {outcome.metric}:  {outcome.best_metrics[outcome.metric]:.4f} with "
+          + ", ".join(f"{k}={_get(outcome.best_config, k)}" for k in outcome.searched))
+    print(f"best run:    {outcome.best_run_dir}")
+    print(f"checkpoint:  {outcome.best_checkpoint or 'none (set training.save_steps)'}")
+    return EXIT_OK
+
+
+def _get(config, dotted: str):
+    section, key = dotted.split(".", 1)
+    if section == "training":
+        return config.training.get(key)
+    return getattr(getattr(config, section), key, None)
+
+
+def cmd_plot(args) -> int:
+    from ray_jax_train.plot import plot_run
+
+    if not 0 <= args.smoothing < 1:
+        raise UsageError(f"--smoothing {args.smoothing}: must be in [0, 1)")
+    path = plot_run(args.run_dir, args.output, smoothing=args.smoothing)
+    print(path)
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from ray_jax_train.run_config import dump, load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.config_command == "show":
+        sys.stdout.write(dump(config))
+    else:
+        print(f"{args.config}: valid")
+    return EXIT_OK
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the exit code (the console script exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for usage errors
+        return int(exc.code or 0)
+    args.verbose = bool(getattr(args, "verbose", False))
+    _quiet(args.verbose)
+    from ray_jax_train.run_config import ConfigError
+
+    handlers = {"fit": cmd_fit, "tune": cmd_tune, "plot": cmd_plot, "config": cmd_config}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, UsageError) as exc:
+        print(f"ray-jax-train: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except FileNotFoundError as exc:
+        print(f"ray-jax-train: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("ray-jax-train: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run_main()

@@ -1,0 +1,128 @@
+"""Training curves from a run directory's `metrics.jsonl`, and an optional live TensorBoard writer.
+
+`plot_run` draws one panel per metric (loss with eval loss, learning rate, tokens/s), raw points faint and an
+exponential moving average on top, so a noisy tiny run still shows its trend. Matplotlib's Agg backend: no
+display needed (clusters, CI).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+from ray.train.v2.api.callback import UserCallback
+
+__all__ = ["PANELS", "TensorBoardCallback", "plot_run", "read_records", "smooth"]
+
+# (metric keys drawn together, panel title, y label, log scale)
+PANELS = (
+    (("loss", "eval_loss"), "Loss", "cross-entropy (nats/token)", False),
+    (("learning_rate",), "Learning rate", "learning rate", False),
+    (("tokens_per_s",), "Throughput", "tokens / s (all workers)", False),
+)
+_LABELS = {"loss": "train loss", "eval_loss": "eval loss", "learning_rate": "learning rate",
+           "tokens_per_s": "tokens/s"}
+
+
+def read_records(run_dir: str) -> List[Dict]:
+    """The loop's records; a run directory or a metrics.jsonl path. FileNotFoundError if there is none."""
+    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
+                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)")
+    records = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a killed run
+    return records
+
+
+def smooth(values: Sequence[float], weight: float) -> List[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing): the first points are not pulled to 0."""
+    out, avg, norm = [], 0.0, 0.0
+    for value in values:
+        avg = weight * avg + (1 - weight) * value
+        norm = weight * norm + (1 - weight)
+        out.append(avg / norm if norm else value)
+    return out
+
+
+def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6, title: Optional[str] = None) -> str:
+    """Write a PNG of the run's curves (default `<run_dir>/curves.png`) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_records(run_dir)
+    panels = [p for p in PANELS if any(k in r for r in records for k in p[0])]
+    if not panels:
+        raise ValueError(f"{run_dir}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
+    output = output or os.path.join(run_dir if not run_dir.endswith(".jsonl") else os.path.dirname(run_dir),
+                                    "curves.png")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    colors = {"loss": "tab:blue", "eval_loss": "tab:orange", "learning_rate": "tab:green",
+              "tokens_per_s": "tab:purple"}
+    for ax, (keys, panel_title, ylabel, log) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r and _finite(r[key])]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            color = colors.get(key)
+            if key == "eval_loss" or len(points) < 3:
+                ax.plot(steps, values, "o-", color=color, label=_LABELS.get(key, key), markersize=4)
+                continue
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+            ax.plot(steps, smooth(values, smoothing), color=color, linewidth=2,
+                    label=f"{_LABELS.get(key, key)} (EMA {smoothing:g})")
+        ax.set_title(panel_title)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title or os.path.basename(os.path.normpath(run_dir)), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class TensorBoardCallback(UserCallback):
+    """Writes every reported metric to TensorBoard event files as it arrives (on the Train controller).
+
+    Opt-in (`run.tensorboard: true`): metrics.jsonl is always written, TensorBoard only when asked for.
+    """
+
+    def __init__(self, logdir: str):
+        self.logdir, self._writer = logdir, None
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if not metrics:
+            return
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(self.logdir)
+        record = metrics[0]
+        step = int(record.get("step", 0))
+        for key, value in record.items():
+            if key not in ("step", "epoch") and _finite(value):
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def __getstate__(self):
+        return {"logdir": self.logdir, "_writer": None}

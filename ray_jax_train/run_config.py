@@ -1,0 +1,619 @@
+"""The config-file schema behind `ray-jax-train`: one YAML/JSON file for model, data, training, scaling, run, tune.
+
+Why a schema of its own: a file that reaches a cluster should fail on the driver, before any worker starts, and
+say which key is wrong and what is allowed. Every section forbids unknown keys; `ConfigError` carries messages
+that name the dotted key path and, for typos, the closest valid key.
+
+    model:    {type: llama, hidden_size: 32, num_hidden_layers: 2, ...}   # any LlamaConfig field; init_from
+    data:     {source: stdlib, max_docs: 200}                              # or local .txt/.jsonl/.parquet paths
+    tokenizer: {path: null, vocab_size: 512}                               # null: train one at run time
+    training: {total_steps: 20, batch_size: 8, learning_rate: 3e-3, ...}  # TrainingArguments fields
+    scaling:  {num_workers: 2, cpu_devices_per_worker: 1, use_gpu: false, mesh: {dp: -1}}
+    run:      {name: tiny, storage_path: ./runs, max_failures: 0, checkpoints_to_keep: 2}
+    tune:     {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}, num_samples: 4, ...}
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import typing
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig
+from ray_jax_train.lm.arguments import TrainingArguments
+
+__all__ = [
+    "ConfigError",
+    "ExperimentConfig",
+    "TUNABLE_SECTIONS",
+    "apply_overrides",
+    "load_config",
+    "parse_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: unknown key, wrong type, missing file, bad override. The CLI exits 2 on it."""
+
+
+# TrainingArguments fields that the file sets in another section (one place per setting).
+MOVED_TRAINING_KEYS = {
+    "num_workers": "scaling.num_workers",
+    "num_cpu_devices": "scaling.cpu_devices_per_worker",
+    "use_gpu": "scaling.use_gpu",
+    "mesh": "scaling.mesh",
+    "output_dir": "run.storage_path",
+    "run_name": "run.name",
+    "max_failures": "run.max_failures",
+    "save_total_limit": "run.checkpoints_to_keep",
+}
+# Sections a Tune param space may search over: they change what a trial trains, not where or on what.
+TUNABLE_SECTIONS = ("training", "model")
+_UNTUNABLE_MODEL_KEYS = ("type", "init_from")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def _model_section():
+    """`model:` takes every LlamaConfig field (all optional) plus the architecture name and starting weights."""
+    fields: Dict[str, Any] = {
+        "type": (Literal[tuple(SUPPORTED_MODEL_TYPES)], "llama"),
+        "init_from": (Optional[str], None),
+    }
+    for name, info in LlamaConfig.model_fields.items():
+        if name != "model_type":
+            fields[name] = (Optional[info.annotation], None)
+    return create_model("ModelSection", __base__=_Section, **fields)
+
+
+ModelSection = _model_section()
+ModelSection.__doc__ = ("The architecture: `type` (llama, mistral, qwen2), any LlamaConfig field, and `init_from` "
+                        "(a ray_jax_train checkpoint or local HF model directory to start from).")
+
+
+class DataSection(_Section):
+    """Training text. `stdlib` is the local Python standard library (always there, so examples run offline)."""
+
+    source: Union[str, List[str]] = "stdlib"
+    kind: Literal["docstrings", "source"] = "docstrings"
+    max_docs: int = Field(200, ge=1)
+    eval_source: Optional[Union[str, List[str]]] = None
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+
+    def paths(self, which: str = "source") -> List[str]:
+        value = getattr(self, which)
+        if value is None or value == "stdlib":
+            return []
+        return [value] if isinstance(value, str) else list(value)
+
+
+class TokenizerSection(_Section):
+    """A local tokenizer directory, or (path null) a byte-level BPE trained on the data at run time."""
+
+    path: Optional[str] = None
+    vocab_size: int = Field(512, ge=263)
+
+
+class ScalingSection(_Section):
+    """Workers and devices. `gpus_per_worker` < 1 shares GPUs (Tune trials); see docs/cluster.md."""
+
+    num_workers: int = Field(1, ge=1)
+    cpu_devices_per_worker: int = Field(1, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: Optional[float] = Field(None, ge=0)
+    gpus_per_worker: Optional[float] = Field(None, gt=0)
+    resources_per_worker: Optional[Dict[str, float]] = None
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    mesh: Optional[Dict[str, int]] = None
+    gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
+    gpu_memory_preallocate: Optional[bool] = None
+    check_resources: bool = True
+
+    def worker_resources(self) -> Dict[str, float]:
+        """What one worker asks Ray for (the shape Ray Train will place)."""
+        resources = {"CPU": 1.0 if self.cpus_per_worker is None else float(self.cpus_per_worker)}
+        if self.use_gpu:
+            resources["GPU"] = float(self.gpus_per_worker or 1.0)
+        resources.update({k: float(v) for k, v in (self.resources_per_worker or {}).items()})
+        return {k: v for k, v in resources.items() if v > 0}
+
+
+class RunSection(_Section):
+    """Where outputs go and how failures and checkpoints are handled."""
+
+    name: Optional[str] = None
+    storage_path: str = "./runs"
+    max_failures: int = Field(0, ge=-1)
+    checkpoints_to_keep: Optional[int] = Field(None, ge=1)
+    tensorboard: bool = False
+    address: Optional[str] = None
+
+
+class SchedulerSection(_Section):
+    """Early stopping for Tune trials; time is counted in reports (one per `training.log_steps`)."""
+
+    type: Literal["asha", "fifo", "median"] = "asha"
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: float = Field(2.0, gt=1)
+    max_t: Optional[int] = Field(None, ge=1)
+
+
+class TuneSection(_Section):
+    """A search over `training.*` / `model.*` keys. Values: a constant, or {choice|grid_search: [..]},
+    {uniform|loguniform|randint: [low, high]}."""
+
+    param_space: Dict[str, Any] = Field(default_factory=dict)
+    num_samples: int = Field(1, ge=1)
+    max_concurrent_trials: Optional[int] = Field(None, ge=1)
+    metric: str = "loss"
+    mode: Literal["min", "max"] = "min"
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    trial_cpus: float = Field(0.0, ge=0)
+    name: Optional[str] = None
+
+
+SEARCH_SPACES = ("choice", "grid_search", "uniform", "loguniform", "randint", "quniform")
+
+
+class ExperimentConfig(_Section):
+    """The whole file. Build the training pieces with `training_arguments()` and `llama_config(...)`."""
+
+    model: ModelSection = Field(default_factory=ModelSection)  # type: ignore[valid-type]
+    data: DataSection = Field(default_factory=DataSection)
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    training: Dict[str, Any] = Field(default_factory=dict)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    run: RunSection = Field(default_factory=RunSection)
+    tune: Optional[TuneSection] = None
+
+    @field_validator("training", mode="before")
+    @classmethod
+    def _training(cls, value):
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a mapping of TrainingArguments fields, got {type(value).__name__}")
+        moved = [k for k in value if k in MOVED_TRAINING_KEYS]
+        if moved:
+            raise ValueError("; ".join(f"{k} does not belong here, set {MOVED_TRAINING_KEYS[k]}" for k in moved))
+        return value
+
+    def check(self) -> "ExperimentConfig":
+        """Checks across sections and against the filesystem (ConfigError); `parse_config` runs them."""
+        # TrainingArguments' and LlamaConfig's own validation, with errors re-rooted under training./model.
+        self.training_arguments()
+        self.llama_config()
+        for which in ("source", "eval_source"):
+            for path in self.data.paths(which):
+                if not os.path.exists(path):
+                    raise ConfigError(f"data.{which}: file {path!r} does not exist (relative paths are read from "
+                                     f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
+        if self.tokenizer.path is not None and not os.path.isdir(self.tokenizer.path):
+            raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
+                             "tokenizer directory, or null to train one at run time")
+        if self.model.init_from is not None and not os.path.exists(self.model.init_from):
+            raise ConfigError(f"model.init_from: {self.model.init_from!r} does not exist")
+        if self.tune is not None:
+            for key, spec in self.tune.param_space.items():
+                try:
+                    check_tunable(key)
+                    _check_search_space(key, spec)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+        return self
+
+    # -- what the trainer needs ---------------------------------------------------------------------------
+
+    def training_arguments(self, **overrides) -> TrainingArguments:
+        s, r = self.scaling, self.run
+        values = dict(self.training, num_workers=s.num_workers, num_cpu_devices=s.cpu_devices_per_worker,
+                      use_gpu=s.use_gpu, mesh=s.mesh, output_dir=os.path.abspath(r.storage_path), run_name=r.name,
+                      max_failures=r.max_failures, save_total_limit=r.checkpoints_to_keep)
+        values.update(overrides)
+        try:
+            return TrainingArguments.model_validate(values)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix=("training",), model=TrainingArguments)) from None
+
+    def model_fields_set_values(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.model.model_dump().items()
+                if k not in ("type", "init_from") and v is not None}
+
+    def llama_config(self, tokenizer=None) -> LlamaConfig:
+        """The model config; vocab size and special token ids come from the tokenizer unless set."""
+        values = self.model_fields_set_values()
+        values.setdefault("vocab_size", len(tokenizer) if tokenizer is not None else self.tokenizer.vocab_size)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if tokenizer is not None and getattr(tokenizer, name, None) is not None:
+                values.setdefault(name, getattr(tokenizer, name))
+        values.setdefault("max_position_embeddings", max(2048, int(self.training.get("max_sequence_length", 512))))
+        try:
+            return LlamaConfig(model_type=self.model.type, **values)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
+
+    def run_name(self) -> str:
+        import time
+
+        return self.run.name or f"{self.model.type}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# -- loading, overrides, errors ----------------------------------------------------------------------------
+
+
+def read_file(path: str) -> Dict[str, Any]:
+    """A YAML or JSON mapping from `path` (ConfigError when missing, unparsable or not a mapping)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections "
+                          f"({', '.join(ExperimentConfig.model_fields)}), got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read, apply `--set` overrides, validate. Raises ConfigError with the key path named."""
+    return parse_config(apply_overrides(read_file(path), overrides))
+
+
+def parse_config(data: Dict[str, Any]) -> ExperimentConfig:
+    try:
+        config = ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, model=ExperimentConfig)) from None
+    return config.check()
+
+
+def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """`a.b.c=value` -> data["a"]["b"]["c"] = YAML-parsed value; the path must exist in the schema."""
+    data = json.loads(json.dumps(data))  # a deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set training.learning_rate=1e-3")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not key or not all(parts):
+            raise ConfigError(f"--set {item!r}: {key!r} is not a dotted key path like training.batch_size")
+        resolve_path(parts, what="--set")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _section_fields(cls) -> Optional[Dict[str, Any]]:
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return dict(cls.model_fields)
+    return None
+
+
+def _unwrap(annotation):
+    """The BaseModel class or `dict` marker inside Optional[...]/Union[...] annotations, else None."""
+    origin = typing.get_origin(annotation)
+    if origin is Union:
+        for arg in typing.get_args(annotation):
+            found = _unwrap(arg)
+            if found is not None:
+                return found
+        return None
+    if origin in (dict, Dict) or annotation is dict:
+        return dict
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def resolve_path(parts: Sequence[str], what: str = "") -> str:
+    """Check that a dotted path names a setting; returns its kind ("leaf" or "free" below a mapping)."""
+    cls: Any = ExperimentConfig
+    for i, part in enumerate(parts):
+        here = ".".join(parts[:i + 1])
+        if cls is dict:
+            return "free"
+        if i == 1 and parts[0] == "training":
+            cls = TrainingArguments
+            if part in MOVED_TRAINING_KEYS:
+                raise ConfigError(f"{what + ' ' if what else ''}{here}: set it as {MOVED_TRAINING_KEYS[part]}")
+        fields = _section_fields(cls)
+        if fields is None:
+            raise ConfigError(f"{what + ' ' if what else ''}{here}: {'.'.join(parts[:i])} is a single value, it has no sub-keys")
+        if part not in fields:
+            raise ConfigError((f"{what} " if what else "") + _unknown_key(here, part, fields, exclude=MOVED_TRAINING_KEYS
+                                                         if cls is TrainingArguments else ()))
+        annotation = fields[part].annotation
+        if parts[:i + 1] == ["training"]:
+            cls = TrainingArguments
+        else:
+            cls = _unwrap(annotation)
+    return "leaf"
+
+
+def check_tunable(key: str) -> None:
+    """A param-space key must be an existing `training.*` or `model.*` setting that changes the trial."""
+    parts = key.split(".")
+    if parts[0] not in TUNABLE_SECTIONS or len(parts) != 2 or parts[1] in _UNTUNABLE_MODEL_KEYS:
+        resolve_path(parts, what="tune.param_space:")
+        raise ValueError(f"tune.param_space: {key!r} is not tunable; a search may vary training.* and model.* "
+                         f"settings (e.g. training.learning_rate, model.hidden_size), not where or on what it runs")
+    resolve_path(parts, what="tune.param_space:")
+
+
+def _check_search_space(key: str, spec: Any) -> None:
+    if isinstance(spec, dict):
+        if len(spec) != 1 or next(iter(spec)) not in SEARCH_SPACES:
+            raise ValueError(f"tune.param_space.{key}: {spec!r} is not a search space; use one of "
+                             + ", ".join(f"{{{name}: [...]}}" for name in SEARCH_SPACES) + " or a constant")
+        (name, args), = spec.items()
+        if not isinstance(args, list) or not args:
+            raise ValueError(f"tune.param_space.{key}.{name}: expected a non-empty list, got {args!r}")
+        if name in ("uniform", "loguniform", "randint") and len(args) != 2:
+            raise ValueError(f"tune.param_space.{key}.{name}: expected [low, high], got {args!r}")
+
+
+def _unknown_key(path: str, key: str, fields, exclude=()) -> str:
+    valid = [k for k in fields if k not in exclude]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{path}: unknown key. {hint}Valid keys here: {', '.join(valid)}"
+
+
+def _model_at(model, loc: Sequence[Any]):
+    cls = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if cls is ExperimentConfig and part == "training":
+            cls = TrainingArguments
+            continue
+        fields = _section_fields(cls)
+        if fields is None or part not in fields:
+            return None
+        cls = _unwrap(fields[part].annotation)
+    return cls
+
+
+def format_validation_error(exc: ValidationError, *, prefix: Tuple[str, ...] = (), model=ExperimentConfig) -> str:
+    """One line per problem: `key.path: what is wrong (what is allowed)`."""
+    lines = []
+    for error in exc.errors():
+        loc = tuple(str(p) for p in error.get("loc", ()) if not isinstance(p, int))
+        # Union members show up as loc parts like "str" / "list[str]": drop them.
+        loc = tuple(p for p in loc if "[" not in p and p not in ("str", "int", "float", "bool"))
+        path = ".".join(prefix + loc) or "(top level)"
+        kind = error.get("type", "")
+        if kind == "extra_forbidden":
+            parent = _model_at(model, loc[:-1])
+            fields = _section_fields(parent) or {}
+            lines.append(_unknown_key(path, loc[-1], fields,
+                                      exclude=MOVED_TRAINING_KEYS if parent is TrainingArguments else ()))
+            continue
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        given = error.get("input")
+        if kind in ("literal_error", "enum"):
+            lines.append(f"{path}: {message} (got {given!r})")
+        elif kind.endswith("_type") or kind.endswith("_parsing"):
+            lines.append(f"{path}: wrong type: {message} (got {given!r})")
+        else:
+            lines.append(f"{path}: {message}")
+    seen, out = set(), []
+    for line in lines:
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    return "invalid config:\n  " + "\n  ".join(out)
+
+
+def dump(config: ExperimentConfig) -> str:
+    """The effective config as YAML (defaults filled in), as `config show` prints it."""
+    data = config.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+# -- building the run --------------------------------------------------------------------------------------
+
+
+def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[str]:
+    """Texts to train a tokenizer on: the stdlib corpus, or the `text` column of the local data files."""
+    from ray_jax_train.text import load_text_dataset, local_corpus
+
+    limit = limit or config.data.max_docs
+    if not config.data.paths():
+        return list(local_corpus(kind=config.data.kind, max_docs=limit))
+    column = config.training.get("text_column", "text")
+    rows = load_text_dataset(config.data.paths()).take(limit)
+    texts = [row[column] for row in rows if isinstance(row.get(column), str)]
+    if not texts:
+        raise ConfigError(f"data.source: no {column!r} text to train a tokenizer on; set tokenizer.path")
+    return texts
+
+
+def ensure_tokenizer(config: ExperimentConfig, directory: str):
+    """The configured tokenizer, or one trained now on the data and saved in `directory` (offline)."""
+    from ray_jax_train.text import ensure_pad_token, load_tokenizer, train_tokenizer
+
+    if config.tokenizer.path is not None:
+        return ensure_pad_token(load_tokenizer(config.tokenizer.path))
+    tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=directory)
+    return ensure_pad_token(tokenizer)
+
+
+def _datasets(config: ExperimentConfig):
+    """Train (and eval) sources as prepare_lm_dataset takes them: row dicts for stdlib, paths for files."""
+    from ray_jax_train.text import local_corpus
+
+    if config.data.paths():
+        train, evaluation = config.data.paths(), config.data.paths("eval_source") or None
+        return train, evaluation
+    texts = list(local_corpus(kind=config.data.kind, max_docs=config.data.max_docs))
+    n_eval = int(len(texts) * config.data.eval_fraction)
+    rows = [{"text": t} for t in texts]
+    if config.data.eval_source is not None:
+        return rows, config.data.paths("eval_source") or [{"text": t} for t in texts[: max(1, len(texts) // 20)]]
+    return rows[n_eval:], (rows[:n_eval] or None)
+
+
+QUIET_ENV = {
+    "TF_CPP_MIN_LOG_LEVEL": "2",  # XLA/absl C++ info lines
+    "GRPC_VERBOSITY": "ERROR",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
+    "RAY_DATA_LOG_LEVEL": "WARNING",
+    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+}
+_QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
+
+
+def quiet_worker() -> None:
+    """Ray worker setup hook: library INFO lines (orbax per-save chatter, Train's per-report lines) off."""
+    import logging
+    import warnings
+
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:  # pragma: no cover - absl comes with jax
+        pass
+
+
+def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, callbacks: Sequence[Any] = (),
+                  tokenizer_path: Optional[str] = None, quiet: bool = False):
+    """A ready `JaxTrainer` running the built-in LM loop for `config` (driver side; Ray must be up).
+
+    Returns (trainer, info) where info has the run name, run directory and total steps. Tokenisation runs
+    here in Ray Data and is materialised, so training workers never wait on Data tasks for CPUs. `quiet`
+    keeps worker logs to warnings and the progress bar (the CLI's default; --verbose turns it off).
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.config import LoggingConfig
+
+    from ray_jax_train.backend import JaxConfig
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.data import prepare_lm_dataset
+    from ray_jax_train.lm.loop import train_loop_per_worker
+    from ray_jax_train.trainer import JaxTrainer
+
+    name = run_name or config.run_name()
+    storage = os.path.abspath(config.run.storage_path)
+    run_dir = os.path.join(storage, name)
+    if tokenizer_path is not None:
+        config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
+    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"))
+    model_config = config.llama_config(tokenizer)
+    args = config.training_arguments(run_name=name)
+    if args.mesh is None:
+        args.mesh = {"dp": -1}
+    if args.num_devices() is not None:
+        try:
+            args.check_devices(args.num_devices())
+        except ValueError as exc:
+            raise ConfigError(f"training/scaling: {exc}") from None
+    if args.max_sequence_length > model_config.max_position_embeddings:
+        raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
+                          f"model.max_position_embeddings={model_config.max_position_embeddings}")
+    init = state_lib.init_spec(checkpoint_path=config.model.init_from)
+
+    train_source, eval_source = _datasets(config)
+    train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args,
+                                           max_position_embeddings=model_config.max_position_embeddings)
+    datasets = {"train": train_ds.materialize()}
+    if eval_source is not None:
+        eval_ds, _ = prepare_lm_dataset(eval_source, tokenizer, args, what="data.eval_source",
+                                        max_position_embeddings=model_config.max_position_embeddings)
+        datasets["eval"] = eval_ds.materialize()
+    total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
+
+    s = config.scaling
+    custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker
+    jax_config = JaxConfig(num_cpu_devices=s.cpu_devices_per_worker, gpu_memory_fraction=s.gpu_memory_fraction,
+                           gpu_memory_preallocate=s.gpu_memory_preallocate)
+    if s.use_gpu and (s.gpus_per_worker or 1) < 1:
+        # Several workers (e.g. Tune trials) share each GPU: JAX must not grab 75% of it up front.
+        if s.gpu_memory_preallocate is None:
+            jax_config.gpu_memory_preallocate = False
+        if s.gpu_memory_fraction is None:
+            jax_config.gpu_memory_fraction = round(0.95 * s.gpus_per_worker, 4)
+    callbacks = list(callbacks)
+    if config.run.tensorboard:
+        from ray_jax_train.plot import TensorBoardCallback
+
+        callbacks.append(TensorBoardCallback(os.path.join(run_dir, "tensorboard")))
+    trainer = JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": model_config.model_dump(),
+                           "total_steps": total_steps, "init": init, "columns": columns,
+                           "has_eval": "eval" in datasets},
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
+                                     resources_per_worker=s.worker_resources() if custom else None,
+                                     placement_strategy=s.placement_strategy),
+        jax_config=jax_config,
+        run_config=RunConfig(name=name, storage_path=storage,
+                             checkpoint_config=CheckpointConfig(num_to_keep=config.run.checkpoints_to_keep),
+                             failure_config=FailureConfig(max_failures=config.run.max_failures),
+                             callbacks=callbacks or None,
+                             logging_config=LoggingConfig(log_level="WARNING") if quiet else None,
+                             worker_runtime_env={"env_vars": dict(QUIET_ENV),
+                                                 "worker_process_setup_hook": "ray_jax_train.run_config.quiet_worker"}
+                             if quiet else None),
+        datasets=datasets,
+    )
+    info = {"name": name, "storage_path": storage, "run_dir": run_dir, "total_steps": total_steps,
+            "tokenizer": tokenizer}
+    return trainer, info
+
+
+def check_cluster_fits(scaling: ScalingSection, copies: int = 1) -> None:
+    """Fail now, not after minutes of 'pending' scheduling, when the cluster can never place the workers.
+
+    Counts how many workers each alive node can hold (all resources of one worker on one node, as Ray
+    places them) against `num_workers`. An autoscaling cluster grows later: set scaling.check_resources false.
+    """
+    import ray
+
+    if not scaling.check_resources:
+        return
+    need = scaling.worker_resources()
+    slots = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        fits = min((int(have.get(k, 0.0) // v) for k, v in need.items() if v > 0), default=0)
+        slots.append(fits)
+    placeable = sum(min(n, 1) for n in slots) if scaling.placement_strategy == "STRICT_SPREAD" else sum(slots)
+    if scaling.placement_strategy == "STRICT_PACK":
+        placeable = max(slots, default=0)
+    if placeable < scaling.num_workers:
+        total = ray.cluster_resources()
+        have = ", ".join(f"{k}={total.get(k, 0):g}" for k in need)
+        raise ConfigError(
+            f"scaling.num_workers={scaling.num_workers} can never be placed: each worker needs "
+            f"{', '.join(f'{k}={v:g}' for k, v in need.items())} ({scaling.placement_strategy}) and this cluster has "
+            f"{len(slots)} node(s) with {have} in all, room for {placeable} worker(s). Lower scaling.num_workers "
+            f"or the per-worker resources, or add nodes (autoscaling clusters: scaling.check_resources=false).")

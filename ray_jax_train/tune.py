@@ -1,0 +1,175 @@
+"""Hyperparameter search: each Tune trial is one JaxTrainer fit of the config, reported to Tune as it trains.
+
+Train V2 style: the trial function builds the trainer and calls `fit()` with `TuneReportCallback` in its
+RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Every log step the loop reports becomes one
+Tune iteration, so ASHA's `grace_period` / `max_t` count log steps. The tokenizer is trained once on the driver
+and shared, so trials differ only in what the param space changes.
+
+    outcome = ray_jax_train.tune.run("examples/tune_tiny_llama.yaml")
+    params = outcome.restore_best_params()
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from typing import Any, Dict, Optional, Sequence, Union
+
+from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
+                                      check_cluster_fits, ensure_tokenizer, parse_config, read_file)
+
+__all__ = ["TuneOutcome", "run", "search_space"]
+
+
+def search_space(param_space: Dict[str, Any]) -> Dict[str, Any]:
+    """`{"training.learning_rate": {"loguniform": [1e-4, 1e-2]}}` -> nested Tune domains."""
+    from ray import tune
+
+    makers = {
+        "choice": lambda a: tune.choice(a),
+        "grid_search": lambda a: tune.grid_search(a),
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+        "randint": lambda a: tune.randint(*a),
+        "quniform": lambda a: tune.quniform(*a),
+    }
+    nested: Dict[str, Any] = {}
+    for key, spec in param_space.items():
+        section, name = key.split(".", 1)
+        if isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in makers:
+            (kind, args), = spec.items()
+            spec = makers[kind](args)
+        nested.setdefault(section, {})[name] = spec
+    return nested
+
+
+def _merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
+    out = copy.deepcopy(base)
+    for section, values in update.items():
+        out.setdefault(section, {})
+        if out[section] is None:
+            out[section] = {}
+        out[section].update(values)
+    return out
+
+
+@dataclasses.dataclass
+class TuneOutcome:
+    """What a search returns: Tune's ResultGrid and the best trial's config, metrics and outputs."""
+
+    results: Any  # ray.tune.ResultGrid
+    best_config: ExperimentConfig
+    best_metrics: Dict[str, Any]
+    best_checkpoint: Optional[str]  # the best trial's last Train checkpoint (None without training.save_steps)
+    best_run_dir: str  # the best trial's Train run directory: metrics.jsonl, final_model/
+    tokenizer_path: str
+    metric: str
+    mode: str
+    searched: Sequence[str] = ()  # the param-space keys
+
+    def restore_best_params(self):
+        """The best trial's parameters, restored from its checkpoint into this process's local devices."""
+        if self.best_checkpoint is None:
+            raise FileNotFoundError("The best trial saved no checkpoint; set training.save_steps to keep one "
+                                    f"(its final_model/ is in {self.best_run_dir}).")
+        from ray_jax_train.lm.state import restore_params
+        from ray_jax_train.lm.step import make_optimizer, new_state
+        from ray_jax_train.mesh import make_mesh
+        from ray_jax_train.text import load_tokenizer
+
+        config = self.best_config
+        model_config = config.llama_config(load_tokenizer(self.tokenizer_path))
+        args = config.training_arguments()
+        optimizer, _ = make_optimizer(args, args.total_steps or 1)
+        return restore_params(self.best_checkpoint, model_config, optimizer, make_mesh({"dp": -1}),
+                              new_state_fn=lambda params, step: new_state(params, optimizer, step))
+
+
+def _scheduler(tune_cfg: TuneSection, max_reports: int):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+
+    s = tune_cfg.scheduler
+    if s.type == "fifo":
+        return FIFOScheduler()
+    if s.type == "median":
+        return MedianStoppingRule(time_attr="training_iteration", grace_period=s.grace_period)
+    max_t = s.max_t or max_reports
+    return ASHAScheduler(time_attr="training_iteration", max_t=max(max_t, s.grace_period),
+                         grace_period=s.grace_period, reduction_factor=s.reduction_factor)
+
+
+def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequence[str] = (),
+        param_space: Optional[Dict[str, Any]] = None, num_samples: Optional[int] = None,
+        quiet: bool = True) -> TuneOutcome:
+    """Run the search described by the config's `tune:` section (or `param_space` / `num_samples` here).
+
+    Ray must be initialised (the CLI does it). Trials run `max_concurrent_trials` at a time; with
+    `scaling.gpus_per_worker` < 1 several trials share a GPU and JAX is told not to preallocate it.
+    """
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    if isinstance(config, str):
+        data = apply_overrides(read_file(config), overrides)
+    elif isinstance(config, ExperimentConfig):
+        data = apply_overrides(config.model_dump(mode="json", exclude_none=False), overrides)
+    else:
+        data = apply_overrides(config, overrides)
+    data.setdefault("tune", {})
+    if data["tune"] is None:
+        data["tune"] = {}
+    if param_space is not None:
+        data["tune"]["param_space"] = param_space
+    if num_samples is not None:
+        data["tune"]["num_samples"] = num_samples
+    base = parse_config(data)
+    tune_cfg = base.tune
+    if not tune_cfg.param_space:
+        raise ConfigError("tune.param_space is empty: give at least one training.* or model.* key to search, e.g. "
+                          "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
+    check_cluster_fits(base.scaling)
+
+    name = tune_cfg.name or base.run_name().replace(base.model.type, f"tune-{base.model.type}", 1)
+    storage = os.path.abspath(base.run.storage_path)
+    tokenizer_path = base.tokenizer.path or os.path.join(storage, name, "tokenizer")
+    if base.tokenizer.path is None:
+        ensure_tokenizer(base, tokenizer_path)
+    base_data = base.model_dump(mode="json")
+    base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
+    base_data["tune"] = None
+
+    def trial(trial_space: Dict[str, Any]) -> None:
+        # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
+        context = tune.get_context()
+        trial_config = parse_config(_merge(base_data, trial_space))
+        trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",
+                                   callbacks=[TuneReportCallback()], quiet=quiet)
+        trainer.fit()
+
+    args = base.training_arguments()
+    max_reports = math.ceil((args.total_steps or 1) / args.log_steps) if args.total_steps else 1
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus}),
+        param_space=search_space(tune_cfg.param_space),
+        tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
+                                    max_concurrent_trials=tune_cfg.max_concurrent_trials,
+                                    scheduler=_scheduler(tune_cfg, max_reports)),
+        run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
+    )
+    results = tuner.fit()
+    errors = [r.error for r in results if r.error is not None]
+    best = None
+    try:
+        best = results.get_best_result(metric=tune_cfg.metric, mode=tune_cfg.mode, scope="last")
+    except RuntimeError:
+        pass
+    if best is None or best.metrics is None or tune_cfg.metric not in best.metrics:
+        detail = f" First error: {errors[0]}" if errors else ""
+        raise RuntimeError(f"No trial reported {tune_cfg.metric!r}; {len(errors)} of {len(results)} failed.{detail}")
+    best_config = parse_config(_merge(base_data, best.config))
+    trial_name = f"{name}-{best.metrics.get('trial_id')}"
+    return TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
+                       best_checkpoint=best.metrics.get("checkpoint_path"),
+                       best_run_dir=os.path.join(storage, trial_name), tokenizer_path=tokenizer_path,
+                       metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space))
