@@ -366,3 +366,20 @@ def test_two_workers_four_layouts_match_single_device(ray_cluster, tmp_path, ref
         assert max(layout["device_bytes"]) <= fsdp["replicated_bytes"] / 4 * 1.1, layout
     dp = ranks[0]["layouts"][RAY_LAYOUTS.index({"dp": 4})]
     assert min(dp["device_bytes"]) == dp["replicated_bytes"]  # the unsharded figure it is compared against
+
+
+def test_mfu_benchmark_smoke(tmp_path):
+    """benchmarks/mfu_gpu.py --smoke on CPU, so the GPU benchmark cannot rot unnoticed."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "mfu_gpu.py")
+    spec = importlib.util.spec_from_file_location("mfu_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    [result] = bench.main(["--smoke", "--out", str(tmp_path / "mfu.json")])
+    assert result["finite"] and result["tokens_per_s"] > 0 and result["flops_per_token"] > 0
+    assert result["mfu"] is None and "unknown device kind" in result["peak_source"]  # CPU has no table entry
+    assert json.loads((tmp_path / "mfu.json").read_text())[0]["size"] == "smoke"
+    h100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    assert bench.peak_flops(h100) == (989e12, "table: H100")
+    assert bench.peak_flops(types.SimpleNamespace(device_kind="NVIDIA H100 PCIe"))[0] == 756e12
