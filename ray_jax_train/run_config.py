@@ -31,6 +31,9 @@ __all__ = [
     "ExperimentConfig",
     "TUNABLE_SECTIONS",
     "apply_overrides",
+    "build_trainer",
+    "check_cluster_fits",
+    "jax_config_for",
     "load_config",
     "parse_config",
 ]
@@ -481,6 +484,7 @@ QUIET_ENV = {
     "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
     "RAY_DATA_LOG_LEVEL": "WARNING",
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
+    "RAY_BACKEND_LOG_LEVEL": "fatal",  # Ray core's C++ notices (e.g. "constructor arguments in the object store")
 }
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
@@ -492,7 +496,8 @@ def quiet_worker() -> None:
 
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category)
-    for name in _QUIET_LOGGERS:
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(_QUIET_LOGGERS)]
+    for name in set(names) | set(_QUIET_LOGGERS):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         from absl import logging as absl_logging
@@ -500,6 +505,30 @@ def quiet_worker() -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
     except ImportError:  # pragma: no cover - absl comes with jax
         pass
+
+
+def quiet_train_loop(config: Dict[str, Any]) -> None:
+    """The built-in LM loop, with library INFO logging silenced first in this worker."""
+    from ray_jax_train.lm.loop import train_loop_per_worker
+
+    quiet_worker()
+    return train_loop_per_worker(config)
+
+
+def jax_config_for(scaling: ScalingSection):
+    """JaxConfig for the workers. Fractional GPUs (Tune trials sharing one) turn JAX's preallocation off and
+    cap each process at its share, or the first trial would take 75% of the GPU and the next ones fail."""
+    from ray_jax_train.backend import JaxConfig
+
+    s = scaling
+    config = JaxConfig(num_cpu_devices=s.cpu_devices_per_worker, gpu_memory_fraction=s.gpu_memory_fraction,
+                       gpu_memory_preallocate=s.gpu_memory_preallocate)
+    if s.use_gpu and (s.gpus_per_worker or 1) < 1:
+        if s.gpu_memory_preallocate is None:
+            config.gpu_memory_preallocate = False
+        if s.gpu_memory_fraction is None:
+            config.gpu_memory_fraction = round(0.95 * s.gpus_per_worker, 4)
+    return config
 
 
 def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, callbacks: Sequence[Any] = (),
@@ -513,7 +542,6 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
-    from ray_jax_train.backend import JaxConfig
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.data import prepare_lm_dataset
     from ray_jax_train.lm.loop import train_loop_per_worker
@@ -551,21 +579,14 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
 
     s = config.scaling
     custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker
-    jax_config = JaxConfig(num_cpu_devices=s.cpu_devices_per_worker, gpu_memory_fraction=s.gpu_memory_fraction,
-                           gpu_memory_preallocate=s.gpu_memory_preallocate)
-    if s.use_gpu and (s.gpus_per_worker or 1) < 1:
-        # Several workers (e.g. Tune trials) share each GPU: JAX must not grab 75% of it up front.
-        if s.gpu_memory_preallocate is None:
-            jax_config.gpu_memory_preallocate = False
-        if s.gpu_memory_fraction is None:
-            jax_config.gpu_memory_fraction = round(0.95 * s.gpus_per_worker, 4)
+    jax_config = jax_config_for(s)
     callbacks = list(callbacks)
     if config.run.tensorboard:
         from ray_jax_train.plot import TensorBoardCallback
 
         callbacks.append(TensorBoardCallback(os.path.join(run_dir, "tensorboard")))
     trainer = JaxTrainer(
-        train_loop_per_worker,
+        quiet_train_loop if quiet else train_loop_per_worker,
         train_loop_config={"arguments": args.model_dump(), "model_config": model_config.model_dump(),
                            "total_steps": total_steps, "init": init, "columns": columns,
                            "has_eval": "eval" in datasets},
@@ -578,9 +599,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
                              failure_config=FailureConfig(max_failures=config.run.max_failures),
                              callbacks=callbacks or None,
                              logging_config=LoggingConfig(log_level="WARNING") if quiet else None,
-                             worker_runtime_env={"env_vars": dict(QUIET_ENV),
-                                                 "worker_process_setup_hook": "ray_jax_train.run_config.quiet_worker"}
-                             if quiet else None),
+                             worker_runtime_env={"env_vars": dict(QUIET_ENV)} if quiet else None),
         datasets=datasets,
     )
     info = {"name": name, "storage_path": storage, "run_dir": run_dir, "total_steps": total_steps,
