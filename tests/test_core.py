@@ -57,6 +57,10 @@ def _collectives_and_batches(config):
     padded = list(rjt.iter_jax_batches(uneven, batch_size=8, mesh=mesh, remainder="pad"))
     out["pad_batches"] = len(padded)
     out["pad_valid_rows"] = int(sum(np.asarray(b["valid"].addressable_data(0)).sum() for b in padded))
+    try:
+        rjt.iter_jax_batches("valid", batch_size=8, mesh=mesh)
+    except ValueError as exc:
+        out["unknown_dataset_error"] = str(exc)
     with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
 
@@ -80,6 +84,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
         # 10 and 23 rows at 4 rows per process per batch: drop keeps min(2, 5) batches, pad yields max(3, 6).
         assert info["drop_batches"] == 2
         assert info["pad_batches"] == 6
+    assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
     # Every row of the 32-row dataset is seen exactly once across both workers.
     seen = sorted(v for info in ranks for batch in info["local_rows"] for v in batch)
@@ -106,7 +111,8 @@ def _reference_run(ids: np.ndarray, steps: int, learning_rate: float):
 def test_example_two_workers_match_single_process(ray_cluster, tmp_path):
     steps, lr = 40, 3e-3
     record = tmp_path / "record"
-    config = {"steps": steps, "batch_size": 32, "learning_rate": lr, "record_dir": str(record), "log_every": 10}
+    config = {"steps": steps, "batch_size": 32, "learning_rate": lr, "record_dir": str(record), "log_every": 10,
+              "record_ids": True}
     result = _fit(example.train_loop_per_worker, tmp_path, config=config,
                   datasets={"train": example.make_dataset(4096)})
     assert result.error is None
