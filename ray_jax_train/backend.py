@@ -33,6 +33,8 @@ class JaxConfig(BackendConfig):
         platform: "cpu", "gpu" or "tpu"; overrides the choice made from the scaling config and `JAX_PLATFORMS`.
         num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU.
         mesh: ordered axis name -> size (one size may be -1) that `ray_jax_train.get_mesh()` builds in the loop.
+        dcn_mesh: for multi-slice TPU (or hosts as the slow network), how many slices each `mesh` axis spans,
+            e.g. {"dp": 2}; `mesh` sizes stay the totals. `get_mesh()` then builds a hybrid ICI x DCN mesh.
         env_vars: extra `JAX_*` / `XLA_*` environment for the workers, set before JAX starts there.
         xla_flags: appended to the workers' `XLA_FLAGS`.
         gpu_memory_preallocate / gpu_memory_fraction: JAX's GPU allocator settings, e.g. to share a GPU
@@ -49,6 +51,7 @@ class JaxConfig(BackendConfig):
     platform: Optional[str] = None
     num_cpu_devices: int = 1
     mesh: Optional[Mapping[str, int]] = None
+    dcn_mesh: Optional[Mapping[str, int]] = None
     env_vars: Dict[str, str] = dataclasses.field(default_factory=dict)
     xla_flags: Sequence[str] = ()
     gpu_memory_preallocate: Optional[bool] = None
@@ -86,6 +89,16 @@ class JaxConfig(BackendConfig):
             from ray_jax_train.mesh import validate_axes
 
             self.mesh = validate_axes(self.mesh)
+        if self.dcn_mesh is not None:
+            from ray_jax_train.mesh import validate_axes
+
+            self.dcn_mesh = validate_axes(self.dcn_mesh)
+            unknown = [name for name in self.dcn_mesh if name not in (self.mesh or {})]
+            if unknown:
+                raise ValueError(
+                    f"JaxConfig(dcn_mesh={self.dcn_mesh}) names axes {unknown} that are not in mesh={self.mesh}; "
+                    "dcn_mesh says how many slices each mesh axis spans, so give the mesh those axes."
+                )
 
     @property
     def backend_cls(self):

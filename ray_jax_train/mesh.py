@@ -52,14 +52,21 @@ def resolve_axes(axes: AxesLike, num_devices: int) -> Dict[str, int]:
     return axes
 
 
-def make_mesh(axes: AxesLike, devices: Optional[Sequence] = None):
+def make_mesh(axes: AxesLike, devices: Optional[Sequence] = None, *, dcn: Optional[AxesLike] = None):
     """A `Mesh` over all global devices (or `devices`) from an ordered mapping of axis name to size.
 
     Devices are ordered by (process, id) and filled row-major, so the last axes vary fastest: trailing axes
     (e.g. `tp`) stay inside one process, and each process owns a contiguous block of the leading data axes.
     That is what lets every worker feed its own slice of the global batch.
+    `dcn` (slices per axis, e.g. {"dp": 2}) builds a multi-slice hybrid mesh instead; see
+    `ray_jax_train.sharding.make_hybrid_mesh`.
     """
     import jax
+
+    if dcn:
+        from ray_jax_train.sharding import make_hybrid_mesh
+
+        return make_hybrid_mesh(axes, dcn, devices)
     import numpy as np
     from jax.sharding import Mesh
 
@@ -100,4 +107,4 @@ def get_mesh():
 
     config = worker_config()
     axes = config.mesh if config is not None and config.mesh else {"dp": -1}
-    return make_mesh(axes)
+    return make_mesh(axes, dcn=getattr(config, "dcn_mesh", None))

@@ -270,6 +270,8 @@ def test_hybrid_mesh_plan_simulated():
         S.hybrid_device_grid({"dp": 2, "fsdp": 4}, {"dp": 4}, fake, granule="process")
     with pytest.raises(ValueError, match=r"not mesh axes"):
         S.hybrid_device_grid({"dp": 2, "fsdp": 4}, {"data": 2}, fake)
+    with pytest.raises(ValueError, match=r"dcn_mesh=\{'tp': 2\}\) names axes \['tp'\] that are not in mesh"):
+        rjt.JaxConfig(mesh={"dp": -1}, dcn_mesh={"tp": 2})
     # One slice: the ordinary mesh.
     assert S.make_hybrid_mesh({"dp": 2, "fsdp": 2}, {"dp": 1}).shape == {"dp": 2, "fsdp": 2}
 
@@ -309,7 +311,9 @@ def test_hlo_check_catches_gathers_without_the_model_constraints():
 def layouts_loop(config):
     """Runs in each worker: every layout in turn, with the results written by rank 0 (bytes by every rank)."""
     cfg = tiny_config()
-    assert dict(rjt.get_mesh().shape) == dict(config["layouts"][0])  # JaxConfig(mesh=...) reaches the loop
+    mesh = rjt.get_mesh()  # JaxConfig(mesh=..., dcn_mesh=...) reaches the loop as a hybrid mesh over hosts
+    assert dict(mesh.shape) == dict(config["layouts"][0])
+    assert [d.process_index for d in mesh.devices.ravel()] == [0, 0, 1, 1]
     out = {"process_count": jax.process_count(), "layouts": []}
     for axes in config["layouts"]:
         dcn = {"dp": 2} if axes == {"dp": 2, "fsdp": 2} else None
@@ -337,7 +341,7 @@ def test_two_workers_four_layouts_match_single_device(ray_cluster, tmp_path, ref
     trainer = rjt.JaxTrainer(
         layouts_loop, train_loop_config={"out": str(out), "layouts": RAY_LAYOUTS},
         scaling_config=ScalingConfig(num_workers=2),
-        jax_config=rjt.JaxConfig(num_cpu_devices=2, mesh=RAY_LAYOUTS[0]),
+        jax_config=rjt.JaxConfig(num_cpu_devices=2, mesh=RAY_LAYOUTS[0], dcn_mesh={"dp": 2}),
         run_config=RunConfig(storage_path=str(tmp_path / "storage")))
     result = trainer.fit()
     assert result.error is None
