@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import typing
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -262,10 +263,25 @@ def read_file(path: str) -> Dict[str, Any]:
         raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
     if data is None:
         data = {}
+    data = _numbers(data)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections "
                           f"({', '.join(ExperimentConfig.model_fields)}), got {type(data).__name__}")
     return data
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _numbers(value):
+    """YAML 1.1 reads `1e-4` (no dot) as a string; everyone means the number."""
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
 
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -303,7 +319,7 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
             if not isinstance(child, dict):
                 child = node[part] = {}
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = _numbers(value)
     return data
 
 

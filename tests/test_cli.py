@@ -1,0 +1,154 @@
+"""The `ray-jax-train` command: config errors (exit 2, key path named), overrides, plot, exit codes.
+
+Runs in-process through `cli.main(argv)`; the real end-to-end `fit` is the job-submit test in
+test_multinode.py. Only two subprocesses here, to prove the console script and `python -m` entry points.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ray_jax_train.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "examples", "tiny_llama.yaml")
+
+
+def write(tmp_path, data, name="config.yaml"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if name.endswith(".json") else yaml.safe_dump(data))
+    return str(path)
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(REPO, "examples")) if n.endswith(".yaml")))
+def test_example_configs_are_valid(name, capsys):
+    code, out, err = run(["config", "validate", os.path.join(REPO, "examples", name)], capsys)
+    assert code == 0, err
+    assert "valid" in out
+
+
+def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
+    code, out, _ = run(["config", "show", TINY, "--set", "training.learning_rate=1e-4", "--set",
+                        "scaling.mesh={dp: 1}", "--set", "run.name=other"], capsys)
+    assert code == 0
+    shown = yaml.safe_load(out)
+    assert shown["training"]["learning_rate"] == 1e-4
+    assert shown["scaling"]["mesh"] == {"dp": 1}
+    assert shown["run"]["name"] == "other" and shown["run"]["max_failures"] == 0
+    # JSON configs too; the shown YAML is itself a valid config.
+    as_json = write(tmp_path, yaml.safe_load(open(TINY)), "config.json")
+    assert run(["config", "validate", as_json], capsys)[0] == 0
+    shown_path = tmp_path / "shown.yaml"
+    shown_path.write_text(out)
+    assert run(["config", "validate", str(shown_path)], capsys)[0] == 0
+
+
+BAD = [
+    # (config patch, --set flags, expected fragments of the message)
+    ({"trainig": {}}, [], ["trainig: unknown key", "did you mean 'training'"]),
+    ({"training": {"learnin_rate": 1e-3}}, [], ["training.learnin_rate: unknown key", "'learning_rate'"]),
+    ({"model": {"hiden_size": 32}}, [], ["model.hiden_size", "'hidden_size'"]),
+    ({"scaling": {"num_workers": "two"}}, [], ["scaling.num_workers: wrong type", "integer"]),
+    ({"scaling": {"placement_strategy": "ANY"}}, [], ["scaling.placement_strategy", "'STRICT_SPREAD'"]),
+    ({"training": {"num_workers": 2}}, [], ["num_workers", "scaling.num_workers"]),
+    ({"data": {"source": "missing.jsonl"}}, [], ["data.source", "missing.jsonl", "does not exist"]),
+    ({"model": {"hidden_size": 33}}, [], ["model", "hidden_size=33", "num_attention_heads"]),
+    ({}, ["training.bach_size=4"], ["--set training.bach_size", "'batch_size'"]),
+    ({}, ["run.name.first=4"], ["--set run.name.first", "no sub-keys"]),
+    ({}, ["training.batch_size"], ["expected KEY=VALUE"]),
+    ({}, ["training.batch_size=abc"], ["training.batch_size: wrong type"]),
+    ({"tune": {"param_space": {"scaling.num_workers": {"choice": [1, 2]}}}}, [],
+     ["scaling.num_workers", "not tunable"]),
+    ({"tune": {"param_space": {"training.learning_rat": {"choice": [1e-3]}}}}, [],
+     ["tune.param_space", "learning_rat", "'learning_rate'"]),
+    ({"tune": {"param_space": {"training.learning_rate": {"logunifrom": [1e-4, 1e-2]}}}}, [],
+     ["not a search space", "loguniform"]),
+]
+
+
+@pytest.mark.parametrize("patch,flags,fragments", BAD)
+def test_bad_config_exits_2_naming_the_key(patch, flags, fragments, tmp_path, capsys):
+    data = yaml.safe_load(open(TINY))
+    for section, values in patch.items():
+        data.setdefault(section, {}).update(values)
+    argv = ["config", "validate", write(tmp_path, data)]
+    for flag in flags:
+        argv += ["--set", flag]
+    code, _, err = run(argv, capsys)
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_unreadable_input_exits_2(tmp_path, capsys):
+    code, _, err = run(["config", "validate", str(tmp_path / "nope.yaml")], capsys)
+    assert code == 2 and "does not exist" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    code, _, err = run(["fit", str(broken)], capsys)
+    assert code == 2 and "not valid YAML" in err
+    code, _, err = run(["plot", str(tmp_path)], capsys)
+    assert code == 2 and "metrics.jsonl" in err
+    assert run(["frobnicate"], capsys)[0] == 2  # argparse usage error
+
+
+def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys):
+    # The session cluster has 4 CPUs: 9 one-CPU workers can never be placed; nor can 3 on 2 GPUs.
+    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=9"], capsys)
+    assert code == 2 and "scaling.num_workers=9 can never be placed" in err and "CPU=4" in err, err
+    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=3", "--set", "scaling.use_gpu=true"], capsys)
+    assert code == 2 and "GPU=2" in err, err
+    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=2", "--set",
+                        "scaling.placement_strategy=STRICT_SPREAD"], capsys)
+    assert code == 2 and "1 node(s)" in err, err
+
+
+def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster, capsys, tmp_path):
+    import ray_jax_train.run_config as run_config
+
+    class Failing:
+        def fit(self):
+            raise RuntimeError("worker 0 died\nCaused by: ValueError: loss is nan")
+
+    info = {"name": "x", "run_dir": str(tmp_path), "total_steps": 1}
+    monkeypatch.setattr(run_config, "build_trainer", lambda config, **kw: (Failing(), info))
+    code, _, err = run(["fit", TINY], capsys)
+    assert code == 1
+    assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
+
+
+def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys):
+    import matplotlib.image
+
+    rng = __import__("random").Random(0)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(2, 202, 2):
+            record = {"step": step, "loss": 6.0 * 0.99 ** step + rng.random() * 0.3,
+                      "learning_rate": 3e-3 * min(1.0, step / 20), "tokens_per_s": 900 + rng.random() * 100}
+            if step % 50 == 0:
+                record["eval_loss"] = record["loss"] + 0.1
+            f.write(json.dumps(record) + "\n")
+        f.write('{"step": 204, "loss": \n')  # a line cut short by a killed run is skipped
+    code, out, _ = run(["plot", str(tmp_path), "--smoothing", "0.8"], capsys)
+    assert code == 0 and out.strip() == str(tmp_path / "curves.png")
+    image = matplotlib.image.imread(out.strip())
+    assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side
+    assert run(["plot", str(tmp_path), "--smoothing", "1.5"], capsys)[0] == 2
+
+
+def test_entry_points(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "ray-jax-train")
+    done = subprocess.run([script, "config", "validate", TINY], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-m", "ray_jax_train", "config", "validate", TINY, "--set", "x.y=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "x: unknown key" in done.stderr
