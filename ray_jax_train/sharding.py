@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -226,15 +226,6 @@ def spec_for(path: str, shape: Sequence[int], mesh, rules: Union[PartitionRules,
     while out and out[-1] is None:
         out.pop()
     return PartitionSpec(*out)
-
-
-def _is_leaf(x) -> bool:
-    try:
-        from flax import nnx
-
-        return isinstance(x, nnx.Variable)
-    except ImportError:  # pragma: no cover
-        return False
 
 
 def _map(fn, tree):

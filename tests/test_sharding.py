@@ -325,7 +325,8 @@ def layouts_loop(config):
         out["layouts"].append({"axes": axes, "losses": losses, "replicated_bytes": replicated,
                                "device_bytes": sorted(per_device.values()),
                                "mesh_devices": [d.process_index for d in run.mesh.devices.ravel()],
-                               "batch_gathers": batch_gathers(hlo, BATCH, {SEQ}), "weight_gathers": weight_gathers(hlo)})
+                               "batch_gathers": batch_gathers(hlo, BATCH, {SEQ}),
+                               "weight_gathers": weight_gathers(hlo)})
         params = to_host(state["params"])
         if jax.process_index() == 0:
             np.savez(os.path.join(config["out"], f"params{len(out['layouts']) - 1}.npz"), **flat(params))
