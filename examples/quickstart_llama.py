@@ -19,6 +19,7 @@ def main(argv=None):
     import ray.data
 
     from ray_jax_train.lm import RayDistributedTrainer, TrainingArguments, read_metrics
+    from ray_jax_train.models import count_params
     from ray_jax_train.text import local_corpus, train_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,9 +71,11 @@ def main(argv=None):
     if not losses:
         raise SystemExit(f"no metrics were recorded under {result.path}")
     first, last = losses[0], losses[-1]
+    config = trainer.create_config(1)
     print("\n=== quick start summary ===")
-    print(f"workers: {args.num_workers}   steps: {last['step']}   params: model at scaling_index 1 "
-          f"(hidden {args.hidden_size}, {args.layers} layers, vocab {args.vocab_size})")
+    print(f"model:      Llama, {count_params(config) / 1e6:.2f}M params (hidden {config.hidden_size}, "
+          f"{config.num_hidden_layers} layers, vocab {config.vocab_size}); {args.num_workers} CPU workers, "
+          f"{last['step']} steps")
     print(f"train loss: {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']})")
     if evals:
         print(f"eval loss:  {evals[0]['eval_loss']:.3f} (step {evals[0]['step']}) -> {evals[-1]['eval_loss']:.3f} "
@@ -81,6 +84,8 @@ def main(argv=None):
           "CPU matmul peak")
     print(f"outputs:    {result.path}  (metrics.jsonl, final_model/ with tokenizer)")
     print(f"wall time:  {time.time() - started:.0f}s")
+    if not last["loss"] < first["loss"] - 0.5:
+        raise SystemExit(f"the loss did not fall clearly ({first['loss']:.3f} -> {last['loss']:.3f})")
     return result, records
 
 

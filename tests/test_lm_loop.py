@@ -18,7 +18,7 @@ from ray_jax_train.models import create_model, from_pretrained
 from ray_jax_train.text import pack_documents
 
 SEQ, VOCAB = 32, 256
-CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
 
@@ -71,7 +71,7 @@ def test_micro_batch_split_changes_nothing_for_uneven_token_counts():
     args = TrainingArguments(total_steps=1, batch_size=8, max_sequence_length=SEQ, adam_epsilon=1e-4)
     optimizer, _ = make_optimizer(args, 1)
     out = [jax.jit(make_train_step(graphdef, optimizer, k))(new_state(params, optimizer), rows)[1]["loss"]
-           for k in (1, 2, 8)]
+           for k in (1, 4)]
     np.testing.assert_allclose([float(x) for x in out], float(out[0]), rtol=1e-6)
 
 
@@ -167,20 +167,11 @@ def test_two_workers_match_one_process(ray_cluster, tmp_path):
     assert _max_diff(exported_params, state["params"]) < 1e-5
 
 
-def test_loop_without_total_steps_fails_clearly(ray_cluster, tmp_path):
-    import ray.data
-
+def test_loop_without_total_steps_fails_clearly():
+    # Checked before the loop touches Ray or JAX, so calling it directly shows what a worker would raise.
     args = TrainingArguments(batch_size=2, max_sequence_length=SEQ, num_epochs=1)
-    trainer = rjt.JaxTrainer(
-        train_loop_per_worker,
-        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump()},
-        run_config=RunConfig(name="no_steps", storage_path=str(tmp_path / "storage")),
-        datasets={"train": ray.data.range(4)},
-    )
-    with pytest.raises(Exception, match="needs total_steps"):
-        result = trainer.fit()
-        if result.error:
-            raise result.error
+    with pytest.raises(ValueError, match="needs total_steps"):
+        train_loop_per_worker({"arguments": args.model_dump(), "model_config": CONFIG.model_dump()})
 
 
 def test_bf16_compute_keeps_float32_master_weights():
