@@ -33,6 +33,15 @@ _LAZY = {
     "wait_for_saves": "ray_jax_train.checkpoint",
     "Restored": "ray_jax_train.checkpoint",
     "CheckpointCorruptError": "ray_jax_train.checkpoint",
+    # model parallelism: partition rules for params and optimizer state
+    "PartitionRules": "ray_jax_train.sharding",
+    "llama_partition_rules": "ray_jax_train.sharding",
+    "partition_specs": "ray_jax_train.sharding",
+    "shardings_for": "ray_jax_train.sharding",
+    "shard_by_rules": "ray_jax_train.sharding",
+    "check_llama_parallelism": "ray_jax_train.sharding",
+    "make_hybrid_mesh": "ray_jax_train.sharding",
+    "bytes_per_device": "ray_jax_train.sharding",
     # text pipeline
     "train_tokenizer": "ray_jax_train.text",
     "load_tokenizer": "ray_jax_train.text",
