@@ -153,6 +153,9 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
         trainer.train(1, args.model_copy(update={"max_sequence_length": 128}), sentences(10))
     with pytest.raises(ValueError, match="does not split over the 2 batch shards"):
         trainer.train(1, args.model_copy(update={"num_workers": 2, "batch_size": 3}), sentences(10))
+    with pytest.raises(ValueError, match="fewer than one global batch"):  # num_epochs: rows counted on the driver
+        trainer.train(1, args.model_copy(update={"total_steps": None, "num_epochs": 2, "batch_size": 64}),
+                      packed_rows(4))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
 
