@@ -138,6 +138,10 @@ def cmd_fit(args) -> int:
     try:
         trainer, info = build_trainer(config, quiet=not args.verbose)
     except (ValueError, FileNotFoundError) as exc:  # data or sizes the driver can see are wrong: a config problem
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
         raise ConfigError(str(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
@@ -260,6 +264,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except FileNotFoundError as exc:
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:

@@ -158,7 +158,7 @@ class TuneSection(_Section):
     metric: str = "loss"
     mode: Literal["min", "max"] = "min"
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
-    trial_cpus: float = Field(0.0, ge=0)
+    trial_cpus: float = Field(0.1, gt=0)  # the trial function only waits on its Train run
     name: Optional[str] = None
 
 

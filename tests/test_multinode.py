@@ -72,7 +72,9 @@ def two_node_cluster():
     url = f"http://127.0.0.1:{dashboard}"
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0",
                # Other Ray instances may run on this machine: name ours wherever Ray would otherwise guess.
-               RAY_API_SERVER_ADDRESS=url)
+               RAY_API_SERVER_ADDRESS=url,
+               # A loopback-only throwaway cluster: no token to hand to the job client and state API.
+               RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
               '--resources={"rjt_slot": 1}', "--disable-usage-stats"]
@@ -81,7 +83,9 @@ def two_node_cluster():
                 f"--temp-dir={temp}", f"--node-manager-port={nm1}", f"--object-manager-port={om1}",
                 f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
                 f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}", *common]
-    worker_cmd = [os.path.join(BIN, "ray"), "start", f"--address=127.0.0.1:{gcs}",
+    # Each node its own temp dir, as on separate machines: a shared one would let one node's runtime-env agent
+    # garbage-collect the job's working directory that the other node unpacked there.
+    worker_cmd = [os.path.join(BIN, "ray"), "start", f"--address=127.0.0.1:{gcs}", f"--temp-dir={temp}/w",
                   f"--node-manager-port={nm2}", f"--object-manager-port={om2}",
                   f"--dashboard-agent-listen-port={agent_http2}", f"--dashboard-agent-grpc-port={agent_grpc2}",
                   f"--runtime-env-agent-port={runtime_env2}", f"--metrics-export-port={metrics2}", *common]
@@ -118,15 +122,15 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
     (workdir / "examples").mkdir(parents=True)
     shutil.copy(os.path.join(REPO, "examples", "tiny_llama.yaml"), workdir / "examples")
     storage = tmp_path / "shared-runs"  # one path both nodes see (same machine here; NFS/S3 on a real cluster)
-    entrypoint = (
-        "ray-jax-train fit examples/tiny_llama.yaml --set run.name=two-nodes "
-        f"--set run.storage_path={storage} --set scaling.num_workers=2 "
-        "--set 'scaling.resources_per_worker={rjt_slot: 1}' --set training.total_steps=4 "
-        "--set training.save_steps=2 --set training.eval_steps=4 --set data.max_docs=30"
-    )
+    entrypoint = [
+        "ray-jax-train", "fit", "examples/tiny_llama.yaml", "--set", "run.name=two-nodes",
+        "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=2",
+        "--set", "scaling.resources_per_worker={rjt_slot: 1}", "--set", "training.total_steps=4",
+        "--set", "training.save_steps=2", "--set", "training.eval_steps=4", "--set", "data.max_docs=30",
+    ]
     submitted = subprocess.run(
         [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
-         "--submission-id", "rjt-two-nodes", "--no-wait", "--", entrypoint],
+         "--submission-id", "rjt-two-nodes", "--no-wait", "--", *entrypoint],
         env=env, capture_output=True, text=True, timeout=180)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
 
