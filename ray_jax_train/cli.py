@@ -202,7 +202,7 @@ def cmd_tune(args) -> int:
     _connect(config, args.address, args.verbose)
     started = time.time()
     try:
-        outcome = tune.run(args.config, overrides=args.overrides)
+        outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose)
     except (ConfigError, FileNotFoundError):
         raise
     except Exception as exc:
@@ -214,6 +214,8 @@ def cmd_tune(args) -> int:
           + ", ".join(f"{k}={_get(outcome.best_config, k)}" for k in outcome.searched))
     print(f"best run:    {outcome.best_run_dir}")
     print(f"checkpoint:  {outcome.best_checkpoint or 'none (set training.save_steps)'}")
+    print(f"summary:     {os.path.join(outcome.experiment_dir, 'best.json')} "
+          "(ray_jax_train.tune.restore_best(DIR) loads the best parameters)")
     return EXIT_OK
 
 

@@ -140,7 +140,7 @@ class RunSection(_Section):
 
 
 class SchedulerSection(_Section):
-    """Early stopping for Tune trials; time is counted in reports (one per `training.log_steps`)."""
+    """Early stopping for Tune trials; `grace_period` and `max_t` (default total_steps + 1) are optimizer steps."""
 
     type: Literal["asha", "fifo", "median"] = "asha"
     grace_period: int = Field(1, ge=1)

@@ -1,25 +1,26 @@
 """Hyperparameter search: each Tune trial is one JaxTrainer fit of the config, reported to Tune as it trains.
 
 Train V2 style: the trial function builds the trainer and calls `fit()` with `TuneReportCallback` in its
-RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Every log step the loop reports becomes one
-Tune iteration, so ASHA's `grace_period` / `max_t` count log steps. The tokenizer is trained once on the driver
-and shared, so trials differ only in what the param space changes.
+RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Schedulers measure time in optimizer steps
+(the `step` every report carries), so ASHA's `grace_period` / `max_t` are steps and a finished trial is never
+cut off before its last checkpoint. The tokenizer is trained once on the driver and shared, so trials differ
+only in what the param space changes. The best trial is written to `<storage>/<search name>/best.json`.
 
     outcome = ray_jax_train.tune.run("examples/tune_tiny_llama.yaml")
-    params = outcome.restore_best_params()
+    params = outcome.restore_best_params()            # or later: restore_best("runs/tune-tiny-llama")
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
+import json
 import os
 from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
                                       check_cluster_fits, ensure_tokenizer, parse_config, read_file)
 
-__all__ = ["TuneOutcome", "run", "search_space"]
+__all__ = ["TuneOutcome", "restore_best", "run", "search_space"]
 
 
 def search_space(param_space: Dict[str, Any]) -> Dict[str, Any]:
@@ -67,6 +68,7 @@ class TuneOutcome:
     metric: str
     mode: str
     searched: Sequence[str] = ()  # the param-space keys
+    experiment_dir: str = ""  # <storage>/<search name>: Tune's state, best.json, the shared tokenizer
 
     def restore_best_params(self):
         """The best trial's parameters, restored from its checkpoint into this process's local devices."""
@@ -86,17 +88,18 @@ class TuneOutcome:
                               new_state_fn=lambda params, step: new_state(params, optimizer, step))
 
 
-def _scheduler(tune_cfg: TuneSection, max_reports: int):
+def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
     s = tune_cfg.scheduler
     if s.type == "fifo":
         return FIFOScheduler()
     if s.type == "median":
-        return MedianStoppingRule(time_attr="training_iteration", grace_period=s.grace_period)
-    max_t = s.max_t or max_reports
-    return ASHAScheduler(time_attr="training_iteration", max_t=max(max_t, s.grace_period),
-                         grace_period=s.grace_period, reduction_factor=s.reduction_factor)
+        return MedianStoppingRule(time_attr="step", grace_period=s.grace_period)
+    # One past the last step: a trial that trained to the end still reports its final checkpoint.
+    max_t = s.max_t or total_steps + 1
+    return ASHAScheduler(time_attr="step", max_t=max(max_t, s.grace_period + 1), grace_period=s.grace_period,
+                         reduction_factor=s.reduction_factor)
 
 
 def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequence[str] = (),
@@ -148,13 +151,14 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         trainer.fit()
 
     args = base.training_arguments()
-    max_reports = math.ceil((args.total_steps or 1) / args.log_steps) if args.total_steps else 1
+    if args.total_steps is None and tune_cfg.scheduler.type == "asha" and tune_cfg.scheduler.max_t is None:
+        raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is not set")
     tuner = tune.Tuner(
         tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus}),
         param_space=search_space(tune_cfg.param_space),
         tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
                                     max_concurrent_trials=tune_cfg.max_concurrent_trials,
-                                    scheduler=_scheduler(tune_cfg, max_reports)),
+                                    scheduler=_scheduler(tune_cfg, args.total_steps or 0)),
         run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
     )
     results = tuner.fit()
@@ -169,7 +173,34 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         raise RuntimeError(f"No trial reported {tune_cfg.metric!r}; {len(errors)} of {len(results)} failed.{detail}")
     best_config = parse_config(_merge(base_data, best.config))
     trial_name = f"{name}-{best.metrics.get('trial_id')}"
-    return TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
-                       best_checkpoint=best.metrics.get("checkpoint_path"),
-                       best_run_dir=os.path.join(storage, trial_name), tokenizer_path=tokenizer_path,
-                       metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space))
+    outcome = TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
+                          best_checkpoint=best.metrics.get("checkpoint_path"),
+                          best_run_dir=os.path.join(storage, trial_name), tokenizer_path=tokenizer_path,
+                          metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space),
+                          experiment_dir=os.path.join(storage, name))
+    summary = {"config": best_config.model_dump(mode="json"), "metrics": _plain(best.metrics),
+               "checkpoint": outcome.best_checkpoint, "run_dir": outcome.best_run_dir,
+               "tokenizer": tokenizer_path, "metric": outcome.metric, "mode": outcome.mode,
+               "searched": outcome.searched}
+    os.makedirs(os.path.join(storage, name), exist_ok=True)
+    with open(os.path.join(storage, name, "best.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return outcome
+
+
+def _plain(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def restore_best(experiment_dir: str):
+    """The best trial's parameters from a finished search directory (its best.json), in this process."""
+    path = os.path.join(experiment_dir, "best.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: give the search directory <storage_path>/<tune name>")
+    with open(path) as f:
+        best = json.load(f)
+    outcome = TuneOutcome(results=None, best_config=parse_config(best["config"]), best_metrics=best["metrics"],
+                          best_checkpoint=best["checkpoint"], best_run_dir=best["run_dir"],
+                          tokenizer_path=best["tokenizer"], metric=best["metric"], mode=best["mode"],
+                          searched=best["searched"])
+    return outcome.restore_best_params()
