@@ -24,6 +24,9 @@ _LAZY = {
     "from_pretrained": "ray_jax_train.models",
     "save_pretrained": "ray_jax_train.models",
     "flops_per_token": "ray_jax_train.models",
+    # the causal-LM trainer (EasyDeL's RayDistributedTrainer API, on Ray)
+    "RayDistributedTrainer": "ray_jax_train.lm",
+    "TrainingArguments": "ray_jax_train.lm",
     # checkpoints
     "JaxCheckpointer": "ray_jax_train.checkpoint",
     "ResumableBatches": "ray_jax_train.checkpoint",

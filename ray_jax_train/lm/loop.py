@@ -39,6 +39,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm.step import make_eval_step, make_optimizer, make_train_step, new_state
     from ray_jax_train.mesh import make_mesh
     from ray_jax_train.models import flops_per_token
+    from ray_jax_train.sharding import check_llama_parallelism
 
     args = TrainingArguments.model_validate(config["arguments"])
     model_config = LlamaConfig.model_validate(config["model_config"])
@@ -50,6 +51,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     rank0 = jax.process_index() == 0
 
     mesh = make_mesh(args.mesh or {"dp": -1})
+    check_llama_parallelism(model_config, mesh, batch_size=args.micro_batch_size)
     optimizer, schedule = make_optimizer(args, total_steps)
     graphdef, _ = state_lib.abstract_params(model_config)
     state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh,
@@ -68,8 +70,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     recorder = _Recorder(config.get("record_dir"), rank0)
     recorder.params("initial_params", state["params"])
 
-    train_step = jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps), donate_argnums=(0,))
-    eval_step = jax.jit(make_eval_step(graphdef))
+    # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
+    train_step = _with_mesh(mesh, jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps),
+                                          donate_argnums=(0,)))
+    eval_step = _with_mesh(mesh, jax.jit(make_eval_step(graphdef)))
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device())
     run_dir = _local_run_dir()
@@ -152,6 +156,16 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
         save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
     recorder.close()
+
+
+def _with_mesh(mesh, fn):
+    import jax
+
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
 
 
 def _summarise(pending: List[Dict[str, Any]]) -> Dict[str, float]:

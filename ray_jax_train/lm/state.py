@@ -25,23 +25,15 @@ SOURCES = ("state", "model", "checkpoint", "hf", "scratch")
 # -- sharding ---------------------------------------------------------------------------------------------
 
 
-def partition_spec(path, leaf) -> "jax.sharding.PartitionSpec":
-    """The PartitionSpec of one state leaf. Everything is replicated for now.
-
-    This is the one place FSDP/TP rules go (match `jax.tree_util.keystr(path)` against regexes over the HF-like
-    parameter names, e.g. `layers.*q_proj.*kernel` -> P("fsdp", "tp")); the optimizer moments follow the
-    params automatically because their paths end with the same parameter names.
-    """
-    from jax.sharding import PartitionSpec
-
-    return PartitionSpec()
-
-
 def state_shardings(state, mesh):
-    """A pytree of NamedShardings matching `state` (arrays or ShapeDtypeStructs)."""
-    from jax.sharding import NamedSharding
+    """A pytree of NamedShardings matching `state` (arrays or ShapeDtypeStructs), from the Llama partition rules.
 
-    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, partition_spec(p, x)), state)
+    The rules match the trailing parameter names, so optimizer moments are split exactly like their params
+    (FSDP over `fsdp`, tensor parallelism over `tp`; axes the mesh lacks are simply not used).
+    """
+    from ray_jax_train.sharding import llama_partition_rules, shardings_for
+
+    return shardings_for(state, mesh, llama_partition_rules())
 
 
 def shard_state(state, mesh):
