@@ -21,6 +21,7 @@ PANELS = (
     (("learning_rate",), "Learning rate", "learning rate", False),
     (("tokens_per_s",), "Throughput", "tokens / s (all workers)", False),
 )
+_MIN_SMOOTHED = 20  # fewer points than this are drawn as they are
 _LABELS = {"loss": "train loss", "eval_loss": "eval loss", "learning_rate": "learning rate",
            "tokens_per_s": "tokens/s"}
 
@@ -76,8 +77,10 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
                 continue
             steps, values = zip(*points)
             color = colors.get(key)
-            if key == "eval_loss" or len(points) < 3:
-                ax.plot(steps, values, "o-", color=color, label=_LABELS.get(key, key), markersize=4)
+            # The schedule is exact (nothing to smooth), eval points are few, and an EMA over a short run only lags.
+            if key in ("eval_loss", "learning_rate") or len(points) < _MIN_SMOOTHED or smoothing == 0:
+                ax.plot(steps, values, "o-" if len(points) < 60 else "-", color=color, label=_LABELS.get(key, key),
+                        markersize=3.5)
                 continue
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
             ax.plot(steps, smooth(values, smoothing), color=color, linewidth=2,
