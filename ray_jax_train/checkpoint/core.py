@@ -450,8 +450,9 @@ class JaxCheckpointer:
             )
 
     def close(self) -> None:
-        """Wait for the last save. (Ray also waits for it before the worker finishes.)"""
+        """Wait for the last save (Ray also waits for it before the worker finishes); SIGTERM is ordinary again."""
         self.wait()
+        signals.deactivate_sigterm_handler()
 
     def __enter__(self):
         return self

@@ -25,6 +25,7 @@ _FAULT_ACTIONS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}
 
 class _SigtermState:
     installed = False
+    active = True  # False once training is over: a SIGTERM then is an ordinary shutdown, not preemption
     received_at: Optional[float] = None
     previous = None
     grace_s = 120.0
@@ -47,6 +48,9 @@ def _exit_the_ordinary_way(signum=signal.SIGTERM, frame=None):
 
 
 def _handler(signum, frame):
+    if not _sigterm.active:
+        _exit_the_ordinary_way(signum, frame)
+        return
     if _sigterm.received_at is not None:
         logger.warning("Second SIGTERM: exiting now.")
         _exit_the_ordinary_way(signum, frame)
@@ -73,6 +77,7 @@ def _install_on_main_thread(grace_s: float) -> bool:
 
 def install_sigterm_handler(grace_s: float = 120.0) -> bool:
     """Turn SIGTERM into a save request in this worker. Returns False where it cannot be installed."""
+    _sigterm.active = True
     if _sigterm.installed:
         return True
     if threading.current_thread() is threading.main_thread():
@@ -85,6 +90,13 @@ def install_sigterm_handler(grace_s: float = 120.0) -> bool:
     except Exception as exc:  # never fatal: training goes on, only without SIGTERM saves
         logger.warning("Could not install the SIGTERM handler (%s); SIGTERM will not trigger a checkpoint.", exc)
         return False
+
+
+def deactivate_sigterm_handler() -> None:
+    """Training is over: let SIGTERM end the worker at once, without a save or a preemption message."""
+    _sigterm.active = False
+    if _sigterm.received_at is not None:
+        release_sigterm()
 
 
 def release_sigterm() -> None:
