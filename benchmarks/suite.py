@@ -1,0 +1,399 @@
+"""The benchmark suite: one command, interleaved variants, JSON + markdown table + PNG chart.
+
+    python benchmarks/suite.py --out bench_out                # full: ~15 min on a loaded 2-core CPU
+    python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
+    python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
+
+Each round runs every variant once, in the same order (bare, ours, ours-warm-cache, torch, ray-jax, scale-1,
+scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
+reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
+Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
+
+    overhead   ours (JaxTrainer, 1 worker, built-in loop) / the same jitted step in a bare process   >= 0.98
+    vs_torch   ours / TorchTrainer with an equivalent PyTorch Llama                                  >= 1.0
+    vs_ray_jax ours / Ray's ray.train.v2.jax.JaxTrainer + Ray's iter_jax_batches + hand-written step >= 1.0
+    scaling    2 workers / 1 worker, 1 CPU each (cpu_affinity=True), same batch per worker          >= 1.8
+    input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
+    startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
+    checkpoint benchmarks/checkpoint_cost.py (throughput with saves / without, save & restore MB/s)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import suite_variants as V  # noqa: E402
+
+# GPT-2-shaped small Llama: vocab 4096, d 256, 4 layers, 4 heads, seq 128, batch 16 (per worker).
+# ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
+FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
+SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
+VARIANTS = ("bare", "ours", "ours_warm", "torch", "ray_jax", "scale1", "scale2", "data")
+TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_ray_jax": 1.0, "scaling": 1.8, "input": 10.0}
+
+
+class Context:
+    """What every variant of a run shares: sizes, step counts, the dataset, and scratch directories."""
+
+    def __init__(self, size: Dict[str, int], steps: int, warmup: int, log_every: int, scratch: str):
+        import ray.data
+
+        self.size, self.steps, self.warmup, self.log_every, self.scratch = size, steps, warmup, log_every, scratch
+        rows = steps * size["batch"] * 2  # enough for one pass of the 2-worker run
+        self.dataset = ray.data.range(rows, override_num_blocks=4).map_batches(
+            V.make_rows, fn_kwargs={"vocab": size["vocab"], "seq": size["seq"]}, batch_format="numpy").materialize()
+        self.storage = os.path.join(scratch, "storage")
+        self.tokens_per_step = size["batch"] * size["seq"]
+        self._n = 0
+
+    def timing_dir(self, name: str) -> str:
+        self._n += 1
+        return os.path.join(self.scratch, "timing", f"{self._n:03d}_{name}")
+
+    def throughput(self, timing: Dict[str, Any], workers: int = 1) -> float:
+        steps, seconds = V.steady(timing["log_times"], self.warmup)
+        return steps * self.tokens_per_step * workers / seconds
+
+
+def _read(timing_dir: str) -> Dict[str, Any]:
+    with open(os.path.join(timing_dir, "timing.json")) as f:
+        return json.load(f)
+
+
+def _fit(trainer) -> float:
+    """fit(); returns the wall-clock time fit() was called (workers stamp their first step in the same clock)."""
+    t0 = time.time()
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    return t0
+
+
+def _run_config(ctx: Context, name: str):
+    from ray.train import RunConfig
+
+    return RunConfig(name=f"{name}_{ctx._n}", storage_path=ctx.storage)
+
+
+# -- variants: each returns {"tokens_per_s": ..., optional "startup_s": ...} -----------------------------------
+
+
+def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
+    timing = V.bare_run(ctx.size, ctx.steps, ctx.warmup, ctx.log_every)
+    return {"tokens_per_s": ctx.throughput(timing)}
+
+
+def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
+          cache_dir: str = None) -> Dict[str, float]:
+    from ray.train import ScalingConfig
+
+    import ray_jax_train as rjt
+
+    timing_dir = ctx.timing_dir(name)
+    config = {"arguments": V.lm_arguments(ctx.size, steps, ctx.log_every, workers),
+              "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir}
+    trainer = rjt.JaxTrainer(
+        V.ours_loop, train_loop_config=config,
+        jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=_run_config(ctx, name), datasets={"train": ctx.dataset})
+    t0 = _fit(trainer)
+    timing = _read(timing_dir)
+    out = {"startup_s": timing["first_step_time"] - t0}
+    if steps > ctx.warmup:
+        out["tokens_per_s"] = ctx.throughput(timing, workers)
+    return out
+
+
+def _cache_dir(ctx: Context, rnd: int) -> str:
+    """This round's compilation cache, under the run storage as a restart would find it; cold for `ours`."""
+    return os.path.join(ctx.storage, f"jax_cache_round{rnd}")
+
+
+def run_ours(ctx: Context, rnd: int) -> Dict[str, float]:
+    shutil.rmtree(_cache_dir(ctx, rnd), ignore_errors=True)
+    return _ours(ctx, "ours", steps=ctx.steps, cache_dir=_cache_dir(ctx, rnd))
+
+
+def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
+    """A restart of `ours`: same programs, the cache `ours` just filled; only start-up is measured."""
+    return _ours(ctx, "ours_warm", steps=ctx.log_every, cache_dir=_cache_dir(ctx, rnd))
+
+
+def run_scale(workers: int) -> Callable:
+    def run(ctx: Context, rnd: int) -> Dict[str, float]:
+        return _ours(ctx, f"scale{workers}", steps=ctx.steps, workers=workers, affinity=True)
+
+    return run
+
+
+def run_torch(ctx: Context, rnd: int) -> Dict[str, float]:
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    timing_dir = ctx.timing_dir("torch")
+    trainer = TorchTrainer(
+        V.torch_loop, train_loop_config={"size": ctx.size, "steps": ctx.steps, "batch_size": ctx.size["batch"],
+                                         "log_every": ctx.log_every, "timing_dir": timing_dir},
+        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, "torch"),
+        datasets={"train": ctx.dataset})
+    t0 = _fit(trainer)
+    timing = _read(timing_dir)
+    return {"tokens_per_s": ctx.throughput(timing), "startup_s": timing["first_step_time"] - t0,
+            "params": timing["params"], "threads": timing["threads"]}
+
+
+def run_ray_jax(ctx: Context, rnd: int) -> Dict[str, float]:
+    from ray.train import ScalingConfig
+    from ray.train.v2.jax import JaxTrainer as RayJaxTrainer
+
+    timing_dir = ctx.timing_dir("ray_jax")
+    trainer = RayJaxTrainer(
+        V.ray_jax_loop, train_loop_config={"model_config": V.model_dict(ctx.size), "steps": ctx.steps,
+                                           "batch_size": ctx.size["batch"], "log_every": ctx.log_every,
+                                           "timing_dir": timing_dir},
+        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, "ray_jax"),
+        datasets={"train": ctx.dataset})
+    t0 = _fit(trainer)
+    timing = _read(timing_dir)
+    return {"tokens_per_s": ctx.throughput(timing), "startup_s": timing["first_step_time"] - t0}
+
+
+def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
+    from ray.train import ScalingConfig
+
+    import ray_jax_train as rjt
+
+    timing_dir = ctx.timing_dir("data")
+    trainer = rjt.JaxTrainer(
+        V.data_only_loop, train_loop_config={"batch_size": ctx.size["batch"], "epochs": 3, "timing_dir": timing_dir},
+        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, "data"),
+        datasets={"train": ctx.dataset})
+    _fit(trainer)
+    return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
+
+
+RUNNERS = {"bare": run_bare, "ours": run_ours, "ours_warm": run_ours_warm, "torch": run_torch,
+           "ray_jax": run_ray_jax, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
+
+
+# -- summary -------------------------------------------------------------------------------------------------
+
+
+def _ratio(rounds: List[Dict], num: str, den: str, key: str = "tokens_per_s") -> List[float]:
+    return [r[num][key] / r[den][key] for r in rounds if num in r and den in r and key in r[num] and key in r[den]]
+
+
+def _stats(values: List[float]) -> Dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
+    """Per-round ratios -> median/min/max, with the issue's target and whether the median meets it."""
+    ratios = {
+        "overhead": _ratio(rounds, "ours", "bare"),
+        "vs_torch": _ratio(rounds, "ours", "torch"),
+        "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
+        "scaling": _ratio(rounds, "scale2", "scale1"),
+        "input": _ratio(rounds, "data", "ours"),
+        # Start-up: > 1 means ours reaches its first finished step sooner.
+        "startup_torch_over_ours_cold": _ratio(rounds, "torch", "ours", "startup_s"),
+        "startup_torch_over_ours_warm": _ratio(rounds, "torch", "ours_warm", "startup_s"),
+        "startup_cold_over_warm": _ratio(rounds, "ours", "ours_warm", "startup_s"),
+    }
+    out = {}
+    for name, values in ratios.items():
+        if values:
+            out[name] = dict(_stats(values), target=TARGETS.get(name))
+            if name in TARGETS:
+                out[name]["met"] = out[name]["median"] >= TARGETS[name]
+    return out
+
+
+def variant_stats(rounds: List[Dict]) -> Dict[str, Dict]:
+    out = {}
+    for name in VARIANTS:
+        for key in ("tokens_per_s", "startup_s"):
+            values = [r[name][key] for r in rounds if name in r and key in r[name]]
+            if values:
+                out.setdefault(name, {})[key] = _stats(values)
+    return out
+
+
+LABELS = {
+    "overhead": "(a) overhead: ours / bare process", "vs_torch": "(b) ours / TorchTrainer",
+    "vs_ray_jax": "(c) ours / Ray's JaxTrainer", "scaling": "(d) scaling: 2 workers / 1 (affinity)",
+    "input": "(e) input pipeline / step consumption",
+    "startup_torch_over_ours_cold": "(f) start-up: torch / ours, cold cache",
+    "startup_torch_over_ours_warm": "(f) start-up: torch / ours, warm cache",
+    "startup_cold_over_warm": "(f) start-up: ours cold / ours warm",
+}
+
+
+def _fmt(s: Dict[str, float], digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    lines = [f"Run {report['date']} on {report['machine']}; `{report['command']}`; {report['rounds']} rounds, "
+             f"{report['steps']} steps per throughput variant ({report['warmup']} warm-up steps not timed).", "",
+             "| measurement | median [min–max] | target | met |", "| --- | --- | --- | --- |"]
+    for name, s in report["summary"].items():
+        target = f"≥ {s['target']:g}" if s.get("target") else "—"
+        met = ("yes" if s["met"] else "**no**") if "met" in s else "—"
+        lines.append(f"| {LABELS.get(name, name)} | {_fmt(s)} | {target} | {met} |")
+    lines += ["", "| variant | tokens/s median [min–max] | fit() → first step, s |", "| --- | --- | --- |"]
+    for name, s in report["variants"].items():
+        tps = _fmt(s["tokens_per_s"], 0) if "tokens_per_s" in s else "—"
+        start = _fmt(s["startup_s"], 1) if "startup_s" in s else "—"
+        lines.append(f"| {name} | {tps} | {start} |")
+    ckpt = report.get("checkpoint")
+    if ckpt:
+        lines += ["", f"Checkpoint cost (benchmarks/checkpoint_cost.py, {ckpt['workers']} worker, "
+                      f"{ckpt['state_mb']:.0f} MB state, save every {ckpt['save_every']} steps): throughput with "
+                      f"saves / without = {ckpt['throughput_ratio_median']:.2f} (median of phases); save "
+                      f"{ckpt['save_mb_per_s']:.0f} MB/s committed ({ckpt['save_blocking_s']:.2f} s blocking), "
+                      f"restore {ckpt['restore_mb_per_s']:.0f} MB/s."]
+    for gpu in report.get("gpu") or []:
+        mfu = f"{100 * gpu['mfu']:.1f}%" if gpu.get("mfu") is not None else "n/a"
+        lines += ["", f"GPU ({gpu['device']}, {gpu.get('size', '')}): {gpu['tokens_per_s']:,.0f} tokens/s, MFU {mfu}."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: Dict[str, Any], path: str) -> None:
+    """Ratios (median, min-max whiskers) against their targets, one bar each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = list(report["summary"].items())
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(items) + 1.5))
+    for i, (name, s) in enumerate(items):
+        color = "tab:gray" if "met" not in s else ("tab:green" if s["met"] else "tab:red")
+        ax.barh(i, s["median"], xerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]], color=color, capsize=3)
+        if s.get("target"):
+            ax.plot([s["target"]] * 2, [i - 0.4, i + 0.4], color="black", linewidth=2)
+    ax.set_yticks(range(len(items)), [LABELS.get(n, n) for n, _ in items])
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("ratio (median, min–max over rounds; black tick = target)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+
+def _register_by_value() -> None:
+    """Ship the worker loops by value: workers need not have benchmarks/ on their path (e.g. the test cluster)."""
+    import ray.cloudpickle
+
+    import checkpoint_cost
+
+    for module in (V, checkpoint_cost):
+        ray.cloudpickle.register_pickle_by_value(module)
+
+
+def run_checkpoint(smoke: bool, out_dir: str) -> Dict[str, Any]:
+    import checkpoint_cost
+
+    storage = tempfile.mkdtemp(prefix="suite_ckpt_")
+    try:
+        if smoke:
+            args = ["--workers", "1", "--hidden", "64", "--layers", "1", "--batch", "8", "--save-every", "5",
+                    "--phase-steps", "10", "--rounds", "1"]
+        else:
+            args = ["--workers", "1", "--hidden", "1024", "--layers", "4", "--batch", "64", "--save-every", "25",
+                    "--phase-steps", "50", "--rounds", "2"]
+        return checkpoint_cost.main(args + ["--storage-path", storage])
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def run_gpu(smoke: bool, out_dir: str) -> List[Dict[str, Any]]:
+    """benchmarks/mfu_gpu.py in its own process, so its JAX sees the GPU whatever this process's JAX is."""
+    out = os.path.join(out_dir, "mfu_gpu.json")
+    cmd = [sys.executable, os.path.join(HERE, "mfu_gpu.py"), "--out", out] + (["--smoke"] if smoke else ["--sizes", "125m"])
+    subprocess.run(cmd, check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out", help="directory for suite.json, suite.md, suite.png")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, few steps")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="steps per throughput variant, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="steps after the compiling one before timing")
+    parser.add_argument("--log-every", type=int, default=2, help="host sync / timestamp every N steps")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--no-checkpoint", action="store_true", help="skip (g), benchmarks/checkpoint_cost.py")
+    parser.add_argument("--gpu", action="store_true", help="also run (h), benchmarks/mfu_gpu.py, on this machine's GPU")
+    parser.add_argument("--machine", default=f"{os.cpu_count()}-core {platform.machine()} CPU")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.log_every = 1, min(args.steps, 4), 1, 1
+    if args.warmup % args.log_every or args.steps % args.log_every:
+        parser.error("--warmup and --steps must be multiples of --log-every (timing starts and ends at a sync)")
+
+    import ray
+
+    if not ray.is_initialized():
+        # 2 training workers + Ray Data tasks on a small machine: oversubscribe logical CPUs, as the tests do.
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "PYTHONPATH": HERE}})
+    _register_by_value()
+    os.makedirs(args.out, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="suite_")
+    started = time.time()
+    try:
+        ctx = Context(SMOKE if args.smoke else FULL, args.steps, args.warmup, args.log_every, scratch)
+        rounds: List[Dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            results: Dict[str, Any] = {}
+            for name in args.variants:
+                t = time.time()
+                results[name] = RUNNERS[name](ctx, rnd)
+                print(f"round {rnd} {name}: {json.dumps(results[name])} ({time.time() - t:.0f} s)", flush=True)
+            rounds.append(results)
+        checkpoint = None if args.no_checkpoint else run_checkpoint(args.smoke, args.out)
+        gpu = run_gpu(args.smoke, args.out) if args.gpu else None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    report = {
+        "date": datetime.date.today().isoformat(), "machine": args.machine,
+        "command": "python benchmarks/suite.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "size": ctx.size, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+        "log_every": args.log_every, "wall_s": time.time() - started,
+        "summary": summarise(rounds), "variants": variant_stats(rounds), "raw_rounds": rounds,
+        "checkpoint": checkpoint, "gpu": gpu,
+    }
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    table = markdown(report)
+    with open(os.path.join(args.out, "suite.md"), "w") as f:
+        f.write(table)
+    chart(report, os.path.join(args.out, "suite.png"))
+    print(table, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The variants `suite.py` interleaves: what runs in each Ray worker (or in the bare process) and how it is timed.
+
+Every variant trains the same model shapes on the same synthetic packed rows and records wall-clock times at
+the same cadence (one host sync every `log_every` steps), so steady-state tokens/s is
+`tokens per step x steps / seconds` between the sync at `warmup` and the last one, compile and warm-up excluded.
+Workers write their timings as JSON into `timing_dir` (a local path: the suite runs on one node).
+
+This module is shipped to the workers by value (`register_pickle_by_value`), so it must import nothing from
+`benchmarks/` at module level.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def model_dict(size: Dict[str, int]) -> Dict[str, Any]:
+    """LlamaConfig fields for the benchmark model (GPT-2-shaped small Llama: no biases, untied head)."""
+    return {"vocab_size": size["vocab"], "hidden_size": size["d"], "intermediate_size": size["ffn"],
+            "num_hidden_layers": size["layers"], "num_attention_heads": size["heads"],
+            "max_position_embeddings": size["seq"], "tie_word_embeddings": False}
+
+
+def make_rows(batch: Dict[str, np.ndarray], vocab: int, seq: int) -> Dict[str, np.ndarray]:
+    """Packed rows from row ids: random tokens seeded by the id, one segment per row, every token a loss token."""
+    ids = np.asarray(batch["id"])
+    tokens = np.stack([np.random.default_rng(int(i)).integers(0, vocab, seq + 1) for i in ids]).astype(np.int32)
+    n = len(ids)
+    return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((n, seq), np.int32),
+            "segment_ids": np.ones((n, seq), np.int32),
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (n, seq)).copy()}
+
+
+def steady(log_times: List[Tuple[int, float]], warmup: int) -> Tuple[int, float]:
+    """(timed steps, seconds) between the first sync at/after `warmup` and the last sync."""
+    points = [(s, t) for s, t in log_times if s >= warmup]
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    return s1 - s0, t1 - t0
+
+
+def _write(timing_dir: str, name: str, record: Dict[str, Any]) -> None:
+    os.makedirs(timing_dir, exist_ok=True)
+    with open(os.path.join(timing_dir, name), "w") as f:
+        json.dump(record, f)
+
+
+# -- (a) the built-in loop, bare and on our JaxTrainer ------------------------------------------------------
+
+
+def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int) -> Dict[str, Any]:
+    """The built-in loop's jitted train step in this process, no Ray: the overhead baseline.
+
+    Same optimizer, state and step function as `ray_jax_train.lm.loop`; batches are host int32 arrays put on
+    device each step (the trainer's data path does the same), losses fetched only at sync points.
+    """
+    import jax
+
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.step import make_optimizer, make_train_step, new_state
+    from ray_jax_train.models import create_model
+
+    cfg = LlamaConfig(**model_dict(size))
+    args = TrainingArguments(**lm_arguments(size, steps, log_every))
+    optimizer, _ = make_optimizer(args, steps)
+    graphdef, params = state_lib.split_model(create_model(cfg))
+    state = new_state(params, optimizer)
+    step_fn = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=(0,))
+    rows = make_rows({"id": np.arange(steps * size["batch"])}, size["vocab"], size["seq"])
+    log_times, first = [], None
+    for i in range(steps):
+        batch = {k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]]) for k, v in rows.items()}
+        state, metrics = step_fn(state, batch)
+        if first is None:
+            jax.block_until_ready(metrics)
+            first = time.time()
+        if (i + 1) % log_every == 0:
+            float(metrics["loss"])
+            log_times.append((i + 1, time.time()))
+    return {"log_times": log_times, "first_step_time": first}
+
+
+def lm_arguments(size: Dict[str, int], steps: int, log_every: int, workers: int = 1) -> Dict[str, Any]:
+    """TrainingArguments for the built-in loop: AdamW, no eval, no checkpoints, no final model, no bar."""
+    return {"total_steps": steps, "batch_size": size["batch"] * workers, "max_sequence_length": size["seq"],
+            "learning_rate": 3e-4, "scheduler": "constant", "warmup_steps": 0, "log_steps": log_every, "save_final_model": False,
+            "progress_bar": False, "resume_if_possible": False, "num_workers": workers}
+
+
+def ours_loop(config: Dict[str, Any]) -> None:
+    """`ray_jax_train.lm.train_loop_per_worker`, unchanged, with its sync points timestamped.
+
+    `ray.train.report` is called right after each log step's host sync, and `Throughput.start` right after the
+    first (compiling) step has finished; both are looked up at call time, so wrapping them here times the real
+    loop without touching it.
+    """
+    import jax
+    import ray.train
+
+    from ray_jax_train.lm import loop as lm_loop
+    from ray_jax_train.lm.metrics import Throughput
+
+    log_times: List[Tuple[int, float]] = []
+    first: List[float] = []
+    report, start = ray.train.report, Throughput.start
+
+    def timed_report(metrics, *a, **kw):
+        log_times.append((int(metrics["step"]), time.time()))
+        return report(metrics, *a, **kw)
+
+    def timed_start(self):
+        if not first:
+            first.append(time.time())
+        return start(self)
+
+    ray.train.report, Throughput.start = timed_report, timed_start
+    try:
+        lm_loop.train_loop_per_worker({k: v for k, v in config.items() if k != "timing_dir"})
+    finally:
+        ray.train.report, Throughput.start = report, start
+    if jax.process_index() == 0:
+        _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first[0]})
+
+
+# -- (e) the input pipeline alone ---------------------------------------------------------------------------
+
+
+def data_only_loop(config: Dict[str, Any]) -> None:
+    """The built-in loop's data path (`iter_jax_batches` over packed rows, int32, on the mesh) with no step.
+
+    Each batch is waited on (`block_until_ready`), so this is what the pipeline can deliver, not a queue fill.
+    """
+    import jax
+
+    import ray_jax_train as rjt
+
+    mesh = rjt.make_mesh({"dp": -1})
+    log_times, step = [], 0
+    for _ in range(config["epochs"]):
+        for batch in rjt.iter_jax_batches("train", batch_size=config["batch_size"], mesh=mesh, columns=list(COLUMNS),
+                                          dtypes=np.int32):
+            jax.block_until_ready(batch)
+            step += 1
+            log_times.append((step, time.time()))
+    if jax.process_index() == 0:
+        _write(config["timing_dir"], "timing.json", {"log_times": log_times})
+
+
+# -- (c) Ray's own JaxTrainer with a hand-written step --------------------------------------------------------
+
+
+def ray_jax_loop(config: Dict[str, Any]) -> None:
+    """What a user writes for `ray.train.v2.jax.JaxTrainer`: Ray's `iter_jax_batches` and a plain jitted step.
+
+    Same model class, AdamW with global-norm clipping, masked mean cross-entropy; causal attention without
+    segment ids (every row is one segment, so the maths is that of the built-in loop).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import ray.train
+    from flax import nnx
+
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.models import create_model
+
+    graphdef, params = nnx.split(create_model(LlamaConfig(**config["model_config"])), nnx.Param)
+    params = nnx.to_pure_dict(params)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.01))
+    opt_state = optimizer.init(params)
+
+    def loss_fn(p, ids, targets):
+        logits = nnx.merge(graphdef, p)(ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    @jax.jit
+    def step(p, o, ids, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(p, ids, targets)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    shard = ray.train.get_dataset_shard("train")
+    log_times, first, i = [], None, 0
+    for batch in shard.iter_jax_batches(batch_size=config["batch_size"], dtypes=jnp.int32, drop_last=True):
+        params, opt_state, loss = step(params, opt_state, batch["input_ids"], batch["targets"])
+        i += 1
+        if first is None:
+            loss.block_until_ready()
+            first = time.time()
+        if i % config["log_every"] == 0:
+            float(loss)
+            log_times.append((i, time.time()))
+        if i >= config["steps"]:
+            break
+    _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first})
+
+
+# -- (b) TorchTrainer with an equivalent PyTorch Llama --------------------------------------------------------
+
+
+def torch_llama(vocab: int, d: int, ffn: int, layers: int, heads: int, seq: int):
+    """A Llama-style decoder in PyTorch with the built-in JAX model's shapes and parameter count.
+
+    RMSNorm (eps 1e-6) -> causal self-attention with rotary embeddings (no biases) -> RMSNorm -> SwiGLU MLP,
+    pre-norm residuals, final RMSNorm, untied lm_head. Defined in a function so importing this module does
+    not import torch.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    head_dim = d // heads
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rope(x):
+        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = RMSNorm(), RMSNorm()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+            self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+            self.down = nn.Linear(ffn, d, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.norm1(x)
+            q, k, v = (proj(h).view(b, s, heads, head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+            a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+            h = self.norm2(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = RMSNorm()
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.norm(x))
+
+    return Llama()
+
+
+def torch_loop(config: Dict[str, Any]) -> None:
+    """The same training under `ray.train.torch.TorchTrainer`: AdamW + clipping, Ray's `iter_torch_batches`.
+
+    torch gets the same cores as XLA (`torch.set_num_threads` = the cores this process may use), since Ray
+    sets OMP_NUM_THREADS=1 in workers and XLA's CPU runtime ignores it.
+    """
+    import torch
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.manual_seed(0)
+    size = config["size"]
+    model = ray.train.torch.prepare_model(torch_llama(size["vocab"], size["d"], size["ffn"], size["layers"],
+                                                      size["heads"], size["seq"]))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    shard = ray.train.get_dataset_shard("train")
+    log_times, first, i = [], None, 0
+    for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.long, drop_last=True):
+        logits = model(batch["input_ids"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        i += 1
+        if first is None:
+            first = time.time()
+        if i % config["log_every"] == 0:
+            float(loss)
+            log_times.append((i, time.time()))
+        if i >= config["steps"]:
+            break
+    if ray.train.get_context().get_world_rank() == 0:
+        _write(config["timing_dir"], "timing.json",
+               {"log_times": log_times, "first_step_time": first,
+                "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads()})
