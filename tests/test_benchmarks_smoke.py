@@ -1,0 +1,31 @@
+"""The benchmark suite's smoke mode still runs end to end and writes well-formed outputs (no timing asserted)."""
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_suite():
+    spec = importlib.util.spec_from_file_location("bench_suite", os.path.join(ROOT, "benchmarks", "suite.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_suite_smoke_writes_json_table_and_chart(ray_cluster, tmp_path):
+    suite = _load_suite()
+    # The cheapest part that still goes through Ray: the bare step and the built-in loop on JaxTrainer.
+    report = suite.main(["--smoke", "--variants", "bare", "ours", "--no-checkpoint", "--out", str(tmp_path)])
+
+    with open(tmp_path / "suite.json") as f:
+        saved = json.load(f)
+    assert saved["summary"] == json.loads(json.dumps(report["summary"]))
+    overhead = saved["summary"]["overhead"]
+    assert overhead["n"] == 1 and overhead["min"] <= overhead["median"] <= overhead["max"]
+    assert overhead["median"] > 0 and overhead["target"] == 0.98 and isinstance(overhead["met"], bool)
+    assert set(saved["variants"]) == {"bare", "ours"}
+    assert saved["variants"]["ours"]["startup_s"]["median"] > 0
+    table = (tmp_path / "suite.md").read_text()
+    assert "| (a) overhead: ours / bare process |" in table and "| ours |" in table
+    assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
