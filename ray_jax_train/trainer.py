@@ -1,7 +1,9 @@
 """JaxTrainer: Ray Train V2's DataParallelTrainer with a real jax.distributed backend on every platform."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 from typing import Any, Callable, Dict, Optional, Union
 
 from ray.train import DataConfig
@@ -74,7 +76,28 @@ class JaxTrainer(DataParallelTrainer):
 
     def fit(self):
         _ensure_ray_leaves_cpu_for_data(self.scaling_config, bool(self.datasets))
-        return super().fit()
+        with _fast_report_polling():
+            return super().fit()
+
+
+@contextlib.contextmanager
+def _fast_report_polling(interval_s: str = "0.1"):
+    """Poll workers every 0.1 s instead of Ray's 2 s while this trainer runs.
+
+    A worker's `ray.train.report` waits until the controller has collected its previous report (a queue of
+    one), and the controller collects on each poll. At Ray's default 2 s, a loop that reports more often than
+    every 2 s stalls in `report`: measured 2.0 s per call on 1 or 2 workers. Ray propagates this variable from
+    the driver to its controller; a value the user set is left alone.
+    """
+    key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = interval_s
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 def _worker_cpus(scaling_config) -> float:
