@@ -261,7 +261,8 @@ def markdown(report: Dict[str, Any]) -> str:
         lines.append(f"| {name} | {tps} | {start} |")
     ckpt = report.get("checkpoint")
     if ckpt:
-        lines += ["", f"Checkpoint cost (benchmarks/checkpoint_cost.py, {ckpt['workers']} worker, "
+        lines += ["", f"Checkpoint cost (benchmarks/checkpoint_cost.py, {ckpt.get('workload', 'mlp')} workload, "
+                      f"{ckpt['workers']} worker(s), "
                       f"{ckpt['state_mb']:.0f} MB state, save every {ckpt['save_every']} steps): throughput with "
                       f"saves / without = {ckpt['throughput_ratio_median']:.2f} (median of phases); save "
                       f"{ckpt['save_mb_per_s']:.0f} MB/s committed ({ckpt['save_blocking_s']:.2f} s blocking), "
@@ -299,6 +300,30 @@ def chart(report: Dict[str, Any], path: str) -> None:
 # -- main ----------------------------------------------------------------------------------------------------
 
 
+def _busy_fraction(seconds: float) -> float:
+    """Share of all cores not idle over `seconds` (from /proc/stat; 0 where that does not exist)."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def settle(max_wait_s: float = 30.0, busy_below: float = 0.15) -> None:
+    """Wait until the previous variant's processes have wound down (cores mostly idle), so that a variant
+    does not pay for its predecessor's teardown: one second windows, at most `max_wait_s`."""
+    deadline = time.time() + max_wait_s
+    while time.time() < deadline and _busy_fraction(1.0) > busy_below:
+        pass
+
+
 def _register_by_value() -> None:
     """Ship the worker loops by value: workers need not have benchmarks/ on their path (e.g. the test cluster)."""
     import ray.cloudpickle
@@ -314,12 +339,13 @@ def run_checkpoint(smoke: bool, out_dir: str) -> Dict[str, Any]:
 
     storage = tempfile.mkdtemp(prefix="suite_ckpt_")
     try:
+        # The MLP stress case (a 50 MB state, tens of ms per step): the LM workload takes ~12 min on 2 cores.
         if smoke:
-            args = ["--workers", "1", "--hidden", "64", "--layers", "1", "--batch", "8", "--save-every", "5",
-                    "--phase-steps", "10", "--rounds", "1"]
+            args = ["--workload", "mlp", "--workers", "1", "--hidden", "64", "--layers", "1", "--batch", "8",
+                    "--save-every", "5", "--phase-steps", "10", "--rounds", "1"]
         else:
-            args = ["--workers", "1", "--hidden", "1024", "--layers", "4", "--batch", "64", "--save-every", "25",
-                    "--phase-steps", "50", "--rounds", "2"]
+            args = ["--workload", "mlp", "--workers", "2", "--hidden", "1024", "--layers", "4", "--batch", "64",
+                    "--save-every", "50", "--phase-steps", "100", "--rounds", "3"]
         return checkpoint_cost.main(args + ["--storage-path", storage])
     finally:
         shutil.rmtree(storage, ignore_errors=True)
@@ -368,6 +394,8 @@ def main(argv=None) -> Dict[str, Any]:
         for rnd in range(args.rounds):
             results: Dict[str, Any] = {}
             for name in args.variants:
+                if not args.smoke:
+                    settle()
                 t = time.time()
                 results[name] = RUNNERS[name](ctx, rnd)
                 print(f"round {rnd} {name}: {json.dumps(results[name])} ({time.time() - t:.0f} s)", flush=True)
