@@ -15,8 +15,8 @@ Design, and why:
   its upload thread and keeps reports in order.
 * Names carry the step and a per-incarnation token, so a save repeated after a restart never reuses the
   path of a checkpoint Ray already tracks (its retention would otherwise delete the new one with the old).
-* Every checkpoint records an order-independent integer checksum of each array (computed in one program that
-  the step loop only enqueues, written to `checksums.json` once orbax has committed). A restore that raises, finds
+* Every checkpoint records an order-independent integer checksum of each array (programs the step loop only
+  enqueues; the values go to `checksums.json` once orbax has committed). A restore that raises, finds
   files missing, or reads bytes whose checksum differs is rejected on all processes (they agree through the
   jax.distributed key-value store) and the previous reported checkpoint is tried, newest first.
 """
@@ -168,12 +168,13 @@ def _checkable(leaf) -> bool:
 
     if not isinstance(leaf, jax.Array) or leaf.size == 0:
         return False
+    # An array that differs per process yet claims to be process-local has no global checksum.
+    if jax.process_count() > 1 and leaf.is_fully_addressable and not leaf.is_fully_replicated:
+        return False
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return True
-    if jax.numpy.issubdtype(leaf.dtype, jax.numpy.complexfloating) or leaf.dtype.itemsize not in (1, 2, 4, 8):
-        return False  # no exact bit cast to words: not checked
-    # An array that differs per process yet claims to be process-local has no global checksum.
-    return not (jax.process_count() > 1 and leaf.is_fully_addressable and not leaf.is_fully_replicated)
+    # Complex and sub-byte dtypes have no exact bit cast to words: not checked.
+    return not jax.numpy.issubdtype(leaf.dtype, jax.numpy.complexfloating) and leaf.dtype.itemsize in (1, 2, 4, 8)
 
 
 _checksum_jit = None
