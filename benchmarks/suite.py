@@ -4,14 +4,15 @@
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
-Each round runs every variant once, in the same order (bare, ours, ours-warm-cache, torch, ray-jax, scale-1,
-scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
+Each round runs every variant once, in the same order (bare, ours, ours-warm-cache, torch, ray-jax,
+ours-step, scale-1, scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
 
     overhead   ours (JaxTrainer, 1 worker, built-in loop) / the same jitted step in a bare process   >= 0.98
     vs_torch   ours / TorchTrainer with an equivalent PyTorch Llama                                  >= 1.0
     vs_ray_jax ours / Ray's ray.train.v2.jax.JaxTrainer + Ray's iter_jax_batches + hand-written step >= 1.0
+               (and like for like: that hand-written step on our JaxTrainer + our iter_jax_batches / Ray's)
     scaling    2 workers / 1 worker, 1 CPU each (cpu_affinity=True), same batch per worker          >= 1.8
     input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
     startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
@@ -40,8 +41,9 @@ import suite_variants as V  # noqa: E402
 # ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
-VARIANTS = ("bare", "ours", "ours_warm", "torch", "ray_jax", "scale1", "scale2", "data")
-TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_ray_jax": 1.0, "scaling": 1.8, "input": 10.0}
+VARIANTS = ("bare", "ours", "ours_warm", "torch", "ray_jax", "ours_step", "scale1", "scale2", "data")
+TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
+           "input": 10.0}
 
 
 class Context:
@@ -155,20 +157,32 @@ def run_torch(ctx: Context, rnd: int) -> Dict[str, float]:
             "params": timing["params"], "threads": timing["threads"]}
 
 
-def run_ray_jax(ctx: Context, rnd: int) -> Dict[str, float]:
+def _hand_written(ctx: Context, name: str, loop, trainer_cls, **kw) -> Dict[str, float]:
     from ray.train import ScalingConfig
-    from ray.train.v2.jax import JaxTrainer as RayJaxTrainer
 
-    timing_dir = ctx.timing_dir("ray_jax")
-    trainer = RayJaxTrainer(
-        V.ray_jax_loop, train_loop_config={"model_config": V.model_dict(ctx.size), "steps": ctx.steps,
-                                           "batch_size": ctx.size["batch"], "log_every": ctx.log_every,
-                                           "timing_dir": timing_dir},
-        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, "ray_jax"),
-        datasets={"train": ctx.dataset})
+    timing_dir = ctx.timing_dir(name)
+    trainer = trainer_cls(
+        loop, train_loop_config={"model_config": V.model_dict(ctx.size), "steps": ctx.steps,
+                                 "batch_size": ctx.size["batch"], "log_every": ctx.log_every,
+                                 "timing_dir": timing_dir},
+        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, name),
+        datasets={"train": ctx.dataset}, **kw)
     t0 = _fit(trainer)
     timing = _read(timing_dir)
     return {"tokens_per_s": ctx.throughput(timing), "startup_s": timing["first_step_time"] - t0}
+
+
+def run_ray_jax(ctx: Context, rnd: int) -> Dict[str, float]:
+    from ray.train.v2.jax import JaxTrainer as RayJaxTrainer
+
+    return _hand_written(ctx, "ray_jax", V.ray_jax_loop, RayJaxTrainer)
+
+
+def run_ours_step(ctx: Context, rnd: int) -> Dict[str, float]:
+    """(c) like for like: Ray's variant's hand-written step, on our JaxTrainer and our iter_jax_batches."""
+    import ray_jax_train as rjt
+
+    return _hand_written(ctx, "ours_step", V.ours_step_loop, rjt.JaxTrainer)
 
 
 def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
@@ -186,7 +200,7 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 RUNNERS = {"bare": run_bare, "ours": run_ours, "ours_warm": run_ours_warm, "torch": run_torch,
-           "ray_jax": run_ray_jax, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
+           "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
 
 
 # -- summary -------------------------------------------------------------------------------------------------
@@ -206,6 +220,7 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "overhead": _ratio(rounds, "ours", "bare"),
         "vs_torch": _ratio(rounds, "ours", "torch"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
+        "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
         "scaling": _ratio(rounds, "scale2", "scale1"),
         "input": _ratio(rounds, "data", "ours"),
         # Start-up: > 1 means ours reaches its first finished step sooner.
@@ -234,7 +249,9 @@ def variant_stats(rounds: List[Dict]) -> Dict[str, Dict]:
 
 LABELS = {
     "overhead": "(a) overhead: ours / bare process", "vs_torch": "(b) ours / TorchTrainer",
-    "vs_ray_jax": "(c) ours / Ray's JaxTrainer", "scaling": "(d) scaling: 2 workers / 1 (affinity)",
+    "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
+    "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
+    "scaling": "(d) scaling: 2 workers / 1 (affinity)",
     "input": "(e) input pipeline / step consumption",
     "startup_torch_over_ours_cold": "(f) start-up: torch / ours, cold cache",
     "startup_torch_over_ours_warm": "(f) start-up: torch / ours, warm cache",

@@ -156,25 +156,22 @@ def data_only_loop(config: Dict[str, Any]) -> None:
 # -- (c) Ray's own JaxTrainer with a hand-written step --------------------------------------------------------
 
 
-def ray_jax_loop(config: Dict[str, Any]) -> None:
-    """What a user writes for `ray.train.v2.jax.JaxTrainer`: Ray's `iter_jax_batches` and a plain jitted step.
+def _hand_written_step(model_config: Dict[str, Any]):
+    """(params, opt_state, step): the plain causal-LM step a user writes first, shared by both (c) variants.
 
-    Same model class, AdamW with global-norm clipping, masked mean cross-entropy; causal attention without
-    segment ids (every row is one segment, so the maths is that of the built-in loop).
+    Same model class, AdamW with global-norm clipping, mean cross-entropy; causal attention without segment
+    ids (every row is one segment, so the maths is that of the built-in loop).
     """
     import jax
-    import jax.numpy as jnp
     import optax
-    import ray.train
     from flax import nnx
 
     from ray_jax_train.config import LlamaConfig
     from ray_jax_train.models import create_model
 
-    graphdef, params = nnx.split(create_model(LlamaConfig(**config["model_config"])), nnx.Param)
+    graphdef, params = nnx.split(create_model(LlamaConfig(**model_config)), nnx.Param)
     params = nnx.to_pure_dict(params)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.01))
-    opt_state = optimizer.init(params)
 
     def loss_fn(p, ids, targets):
         logits = nnx.merge(graphdef, p)(ids)
@@ -186,9 +183,13 @@ def ray_jax_loop(config: Dict[str, Any]) -> None:
         updates, o = optimizer.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
-    shard = ray.train.get_dataset_shard("train")
+    return params, optimizer.init(params), step
+
+
+def _time_hand_written(config: Dict[str, Any], batches) -> None:
+    params, opt_state, step = _hand_written_step(config["model_config"])
     log_times, first, i = [], None, 0
-    for batch in shard.iter_jax_batches(batch_size=config["batch_size"], dtypes=jnp.int32, drop_last=True):
+    for batch in batches:
         params, opt_state, loss = step(params, opt_state, batch["input_ids"], batch["targets"])
         i += 1
         if first is None:
@@ -200,6 +201,25 @@ def ray_jax_loop(config: Dict[str, Any]) -> None:
         if i >= config["steps"]:
             break
     _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first})
+
+
+def ray_jax_loop(config: Dict[str, Any]) -> None:
+    """What a user writes for `ray.train.v2.jax.JaxTrainer`: Ray's `iter_jax_batches` and a plain jitted step."""
+    import jax.numpy as jnp
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+    _time_hand_written(config, shard.iter_jax_batches(batch_size=config["batch_size"], dtypes=jnp.int32,
+                                                      drop_last=True))
+
+
+def ours_step_loop(config: Dict[str, Any]) -> None:
+    """The same hand-written step on our JaxTrainer and our `iter_jax_batches`: the trainers alone compared."""
+    import ray_jax_train as rjt
+
+    _time_hand_written(config, rjt.iter_jax_batches("train", batch_size=config["batch_size"],
+                                                    mesh=rjt.make_mesh({"dp": -1}),
+                                                    columns=["input_ids", "targets"], dtypes=np.int32))
 
 
 # -- (b) TorchTrainer with an equivalent PyTorch Llama --------------------------------------------------------
