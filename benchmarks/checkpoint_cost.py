@@ -1,13 +1,18 @@
 """What checkpointing costs a training run: throughput with periodic saves vs none, and save/restore MB/s.
 
-One JaxTrainer run (CPU workers by default). The state is an MLP's params plus Adam moments, sharded over the
-workers' devices on its first axis. Phases alternate, no-save / save-every-N, `--rounds` times, each of
-`--phase-steps` steps, so load drift on a shared machine hits both kinds alike; the ratio is
-(steps/s with saves) / (steps/s without), as mean and median over the phases. Then, outside the step loop: the time `save` blocks the loop, the time
-until the save is committed on storage, and the time to restore into the same shardings, as MB/s of the global
-state. Times are measured and printed, never asserted.
+One JaxTrainer run on CPU workers. Workloads:
+  lm   (default) the built-in causal-LM train step on the suite's GPT-2-shaped Llama, AdamW state FSDP-sharded
+       over all devices (63 MB), `--lm-batch` rows of 128 tokens per worker;
+  mlp  a stress case: an MLP with Adam whose 50 MB state is large for its ~80 ms of compute per step.
+After one warm-up save and some settling steps, phases alternate, no-save / save-every-N, `--rounds` times,
+each of `--phase-steps` steps, so load drift on a shared machine hits both kinds alike; saves fall half an
+interval into a phase, as in a long run. The ratio is (steps/s with saves) / (steps/s without), as mean and
+median over the phases. Then, outside the step loop: the time `save` blocks the loop, the time until it is
+committed on storage, and the time to restore into the same shardings, as MB/s of the global state. Times
+are measured and printed, never asserted.
 
-    python benchmarks/checkpoint_cost.py --workers 2 --hidden 1024 --save-every 50
+    python benchmarks/checkpoint_cost.py --workers 2 --save-every 50                 # ~12 min on 2 cores
+    python benchmarks/checkpoint_cost.py --workers 2 --save-every 50 --workload mlp  # ~2 min
 """
 from __future__ import annotations
 
