@@ -156,6 +156,24 @@ def data_only_loop(config: Dict[str, Any]) -> None:
 # -- (c) Ray's own JaxTrainer with a hand-written step --------------------------------------------------------
 
 
+def _time_steps(config: Dict[str, Any], batches, run_step) -> Tuple[List[Tuple[int, float]], float]:
+    """Run `run_step(batch) -> loss` for `config["steps"]` batches; the host syncs (reads the loss) after the
+    first step and every `log_every` steps and timestamps it. Returns (log times, first-step time)."""
+    log_times, first, i = [], None, 0
+    for batch in batches:
+        loss = run_step(batch)
+        i += 1
+        if first is None:
+            float(loss)
+            first = time.time()
+        if i % config["log_every"] == 0:
+            float(loss)
+            log_times.append((i, time.time()))
+        if i >= config["steps"]:
+            break
+    return log_times, first
+
+
 def _hand_written_step(model_config: Dict[str, Any]):
     """(params, opt_state, step): the plain causal-LM step a user writes first, shared by both (c) variants.
 
@@ -188,18 +206,13 @@ def _hand_written_step(model_config: Dict[str, Any]):
 
 def _time_hand_written(config: Dict[str, Any], batches) -> None:
     params, opt_state, step = _hand_written_step(config["model_config"])
-    log_times, first, i = [], None, 0
-    for batch in batches:
+
+    def run(batch):
+        nonlocal params, opt_state
         params, opt_state, loss = step(params, opt_state, batch["input_ids"], batch["targets"])
-        i += 1
-        if first is None:
-            loss.block_until_ready()
-            first = time.time()
-        if i % config["log_every"] == 0:
-            float(loss)
-            log_times.append((i, time.time()))
-        if i >= config["steps"]:
-            break
+        return loss
+
+    log_times, first = _time_steps(config, batches, run)
     _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first})
 
 
@@ -310,22 +323,18 @@ def torch_loop(config: Dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
     shard = ray.train.get_dataset_shard("train")
-    log_times, first, i = [], None, 0
-    for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.long, drop_last=True):
+
+    def run(batch):
         logits = model(batch["input_ids"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        i += 1
-        if first is None:
-            first = time.time()
-        if i % config["log_every"] == 0:
-            float(loss)
-            log_times.append((i, time.time()))
-        if i >= config["steps"]:
-            break
+        return loss.detach()
+
+    log_times, first = _time_steps(
+        config, shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=torch.long, drop_last=True), run)
     if ray.train.get_context().get_world_rank() == 0:
         _write(config["timing_dir"], "timing.json",
                {"log_times": log_times, "first_step_time": first,
