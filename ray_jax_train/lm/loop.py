@@ -52,13 +52,25 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     mesh = make_mesh(args.mesh or {"dp": -1})
     check_llama_parallelism(model_config, mesh, batch_size=args.micro_batch_size)
+
+    def open_epoch(epoch: int, skip: int):
+        return iter_jax_batches("train", batch_size=args.batch_size, mesh=mesh, columns=columns, dtypes=np.int32,
+                                skip_batches=skip, local_shuffle_buffer_size=args.shuffle_buffer_size,
+                                local_shuffle_seed=args.seed + epoch if args.shuffle_buffer_size else None)
+
+    checkpointer = _checkpointer(args)
+    # A fresh run starts reading now, so Ray Data's first batch (seconds) arrives while the state is built and
+    # the step compiles; a resumed run must first learn from its checkpoint where in the data it stopped.
+    may_resume = checkpointer is not None and args.resume_if_possible and ray.train.get_checkpoint() is not None
+    first_epoch = None if may_resume else open_epoch(0, 0)
+
     optimizer, schedule = make_optimizer(args, total_steps)
     graphdef, _ = state_lib.abstract_params(model_config)
     state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh,
                                     new_state_fn=lambda params, step: new_state(params, optimizer, step))
 
-    checkpointer, data_pos = _checkpointer(args), {"epoch": 0, "batch": 0}
-    if checkpointer is not None and args.resume_if_possible:
+    data_pos = {"epoch": 0, "batch": 0}
+    if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
         from ray_jax_train.checkpoint import abstract_state
 
         restored = checkpointer.restore(abstract_state(state))
@@ -100,9 +112,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     compiled = False
     while step < total_steps:
         seen = skip
-        batches = iter_jax_batches("train", batch_size=args.batch_size, mesh=mesh, columns=columns, dtypes=np.int32,
-                                   skip_batches=skip, local_shuffle_buffer_size=args.shuffle_buffer_size,
-                                   local_shuffle_seed=args.seed + epoch if args.shuffle_buffer_size else None)
+        batches = first_epoch if first_epoch is not None else open_epoch(epoch, skip)
+        first_epoch = None
         for batch in batches:
             recorder.batch(batch)
             state, metrics = train_step(state, batch)

@@ -138,6 +138,9 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
     source = init.get("source", "scratch")
     if source not in SOURCES:
         raise ValueError(f"Unknown init source {source!r}; use one of {SOURCES}.")
+    if source == "scratch":
+        # Params and optimizer state from one program: a third less tracing and compiling at start-up.
+        return init_sharded(lambda: new_state_fn(split_model(create_model(config))[1], 0), mesh)
     _, expected = abstract_params(config)
     step, opt_state = 0, None
     if source in ("state", "model"):
@@ -148,10 +151,8 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
         params = shard_state(params, mesh)
     elif source == "hf":
         params = shard_state(load_hf_params(init["path"], config), mesh)
-    elif source == "checkpoint":
-        params = restore_params(init["path"], config, optimizer, mesh, new_state_fn)
     else:
-        params = init_sharded(lambda: split_model(create_model(config))[1], mesh)
+        params = restore_params(init["path"], config, optimizer, mesh, new_state_fn)
 
     shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
     state = jax.jit(lambda p: new_state_fn(p, step), out_shardings=shardings)(params)
