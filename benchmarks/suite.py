@@ -4,7 +4,7 @@
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
-Each round runs every variant once, in the same order (bare, ours, ours-warm-cache, torch, ray-jax,
+Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, torch, ray-jax,
 ours-step, scale-1, scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
@@ -41,7 +41,7 @@ import suite_variants as V  # noqa: E402
 # ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
-VARIANTS = ("bare", "ours", "ours_warm", "torch", "ray_jax", "ours_step", "scale1", "scale2", "data")
+VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "torch", "ray_jax", "ours_step", "scale1", "scale2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -95,6 +95,22 @@ def _run_config(ctx: Context, name: str):
 def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
     timing = V.bare_run(ctx.size, ctx.steps, ctx.warmup, ctx.log_every)
     return {"tokens_per_s": ctx.throughput(timing)}
+
+
+def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
+    """(a) split in two: the bare loop inside a JaxTrainer worker (Ray's processes, no data path, no built-in loop)."""
+    from ray.train import ScalingConfig
+
+    import ray_jax_train as rjt
+
+    timing_dir = ctx.timing_dir("in_worker")
+    trainer = rjt.JaxTrainer(
+        V.in_worker_loop, train_loop_config={"size": ctx.size, "steps": ctx.steps, "warmup": ctx.warmup,
+                                             "log_every": ctx.log_every, "timing_dir": timing_dir},
+        scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+        run_config=_run_config(ctx, "in_worker"))
+    _fit(trainer)
+    return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
 
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
@@ -199,7 +215,7 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
     return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
 
 
-RUNNERS = {"bare": run_bare, "ours": run_ours, "ours_warm": run_ours_warm, "torch": run_torch,
+RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm, "torch": run_torch,
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
 
 
@@ -218,6 +234,9 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
     """Per-round ratios -> median/min/max, with the issue's target and whether the median meets it."""
     ratios = {
         "overhead": _ratio(rounds, "ours", "bare"),
+        # (a) split: Ray's processes alone (same loop in a worker), then our data path + built-in loop on top.
+        "overhead_ray_share": _ratio(rounds, "in_worker", "bare"),
+        "overhead_ours_share": _ratio(rounds, "ours", "in_worker"),
         "vs_torch": _ratio(rounds, "ours", "torch"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
@@ -248,7 +267,9 @@ def variant_stats(rounds: List[Dict]) -> Dict[str, Dict]:
 
 
 LABELS = {
-    "overhead": "(a) overhead: ours / bare process", "vs_torch": "(b) ours / TorchTrainer",
+    "overhead": "(a) overhead: ours / bare process",
+    "overhead_ray_share": "(a) split: bare loop in a JaxTrainer worker / bare process",
+    "overhead_ours_share": "(a) split: ours / bare loop in a JaxTrainer worker", "vs_torch": "(b) ours / TorchTrainer",
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
     "scaling": "(d) scaling: 2 workers / 1 (affinity)",

@@ -87,6 +87,12 @@ def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int) -> D
     return {"log_times": log_times, "first_step_time": first}
 
 
+def in_worker_loop(config: Dict[str, Any]) -> None:
+    """`bare_run`, unchanged, inside a JaxTrainer worker with no dataset: what Ray alone costs the same loop."""
+    _write(config["timing_dir"], "timing.json",
+           bare_run(config["size"], config["steps"], config["warmup"], config["log_every"]))
+
+
 def lm_arguments(size: Dict[str, int], steps: int, log_every: int, workers: int = 1) -> Dict[str, Any]:
     """TrainingArguments for the built-in loop: AdamW, no eval, no checkpoints, no final model, no bar."""
     return {"total_steps": steps, "batch_size": size["batch"] * workers, "max_sequence_length": size["seq"],

@@ -13,11 +13,13 @@ The step runs asynchronously: losses stay on device and the host only waits at l
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import os
-from typing import Any, Dict, List, Optional
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -66,8 +68,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     optimizer, schedule = make_optimizer(args, total_steps)
     graphdef, _ = state_lib.abstract_params(model_config)
-    state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh,
-                                    new_state_fn=lambda params, step: new_state(params, optimizer, step))
+    new_state_fn = lambda params, step: new_state(params, optimizer, step)  # noqa: E731
+    step_fn = jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps), donate_argnums=(0,))
+    if first_epoch is not None:
+        first_epoch = _compile_ahead(step_fn, mesh, lambda: state_lib.abstract_state(model_config, mesh, new_state_fn),
+                                     first_epoch)
+    state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
@@ -83,11 +89,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     recorder.params("initial_params", state["params"])
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
-    train_step = _with_mesh(mesh, jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps),
-                                          donate_argnums=(0,)))
+    train_step = _with_mesh(mesh, step_fn)
     eval_step = _with_mesh(mesh, jax.jit(make_eval_step(graphdef)))
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
-                            jax.device_count(), peak_flops_per_device())
+                            jax.device_count(), peak_flops_per_device)
     run_dir = _local_run_dir()
     progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
 
@@ -112,7 +117,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     compiled = False
     while step < total_steps:
         seen = skip
-        batches = first_epoch if first_epoch is not None else open_epoch(epoch, skip)
+        batches = first_epoch() if first_epoch is not None else open_epoch(epoch, skip)
         first_epoch = None
         for batch in batches:
             recorder.batch(batch)
@@ -167,6 +172,44 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
         save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
     recorder.close()
+
+
+def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) -> Callable[[], Iterator]:
+    """Compile the train step in a thread, for the first batch's shapes, while the caller builds the state.
+
+    Compiling (seconds, outside the GIL) then overlaps with initialising the state, and jit's caches make the
+    first real call reuse the executable. Returns `join()`, which waits and gives the batches back unconsumed.
+    A failed compile is left for the real call to report; a failed read is raised by `join()`.
+    """
+    import jax
+
+    result: Dict[str, Any] = {}
+
+    def run():
+        try:
+            result["first"] = next(batches, None)
+        except BaseException as exc:  # surfaced by join()
+            result["error"] = exc
+            return
+        if result["first"] is None:
+            return
+        try:
+            with jax.set_mesh(mesh):
+                step_fn.lower(abstract_state(), result["first"]).compile()
+        except Exception as exc:
+            logger.debug("Compiling the train step ahead failed (%s); the first step compiles it.", exc)
+
+    thread = threading.Thread(target=run, name="ray_jax_train-compile", daemon=True)
+    thread.start()
+
+    def join() -> Iterator:
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        first = result["first"]
+        return batches if first is None else itertools.chain([first], batches)
+
+    return join
 
 
 def _with_mesh(mesh, fn):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 # Dense bf16 peak FLOP/s per device (one chip / one GPU), matched by substring of `device.device_kind`,
 # most specific first.
@@ -71,10 +71,14 @@ def measure_matmul_flops(device=None, size: int = 512, repeats: int = 5) -> floa
 class Throughput:
     """Tokens/s and MFU over the interval between two log steps (the only points where we sync)."""
 
-    def __init__(self, flops_per_token: float, tokens_per_step: int, num_devices: int, peak_per_device: float):
+    def __init__(self, flops_per_token: float, tokens_per_step: int, num_devices: int,
+                 peak_per_device: Union[float, Callable[[], float]]):
+        """`peak_per_device` may be a function, called at the first `read`: measuring a CPU's peak then keeps
+        it off the start-up path, and the device is idle there (just synced)."""
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
-        self.peak = num_devices * peak_per_device
+        self.num_devices = num_devices
+        self._peak_per_device = peak_per_device
         self._since: Optional[float] = None
         self._steps = 0
 
@@ -92,13 +96,16 @@ class Throughput:
             self._since, self._steps = now, 0
             return {}
         seconds, steps = max(now - self._since, 1e-9), self._steps
-        self._since, self._steps = now, 0
         tokens_per_s = steps * self.tokens_per_step / seconds
-        return {
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": seconds / steps,
-            "mfu": tokens_per_s * self.flops_per_token / self.peak,
-        }
+        mfu = tokens_per_s * self.flops_per_token / self.peak  # the first read may measure the peak: not timed
+        self._since, self._steps = time.perf_counter(), 0
+        return {"tokens_per_s": tokens_per_s, "step_time_s": seconds / steps, "mfu": mfu}
+
+    @property
+    def peak(self) -> float:
+        if callable(self._peak_per_device):
+            self._peak_per_device = self._peak_per_device()
+        return self.num_devices * self._peak_per_device
 
 
 class Progress:

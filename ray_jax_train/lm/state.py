@@ -54,6 +54,14 @@ def shard_state(state, mesh):
     return jax.tree.map(place, state, shardings)
 
 
+def abstract_state(config: LlamaConfig, mesh, new_state_fn):
+    """ShapeDtypeStructs, with their shardings on `mesh`, of the train state a new model starts from."""
+    from ray_jax_train.checkpoint import abstract_state as with_shardings
+
+    tree = jax.eval_shape(lambda: new_state_fn(split_model(create_model(config))[1], 0))
+    return with_shardings(tree, state_shardings(tree, mesh))
+
+
 def init_sharded(fn, mesh):
     """Run `fn()` under jit with outputs born in their shardings (the scratch path: no host round trip)."""
     shardings = state_shardings(jax.eval_shape(fn), mesh)
