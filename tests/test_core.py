@@ -130,3 +130,29 @@ def test_example_two_workers_match_single_process(ray_cluster, tmp_path):
         for key, value in layer.items():
             np.testing.assert_allclose(got[f"{i}_{key}"], np.asarray(value), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(losses[-1], ref_losses[-1], rtol=1e-5)
+
+
+def test_iter_jax_batches_reads_at_once_and_stops_when_dropped(ray_cluster):
+    """The read starts when the iterator is made (so a loop can overlap it with compiling), and an iterator
+    dropped before its first batch does not leave its reader thread behind."""
+    import gc
+    import threading
+
+    import ray.data
+
+    def readers():
+        return {t for t in threading.enumerate() if t.name == "ray_jax_train-prefetch"}
+
+    mesh = rjt.make_mesh({"dp": -1})
+    before = readers()
+    batches = rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh)
+    started = readers() - before
+    assert len(started) == 1, "no reader thread before the first next()"
+    (thread,) = started
+    del batches
+    gc.collect()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reader of a dropped iterator kept running"
+
+    ids = [np.asarray(b["id"]) for b in rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh)]
+    assert sorted(np.concatenate(ids).tolist()) == list(range(64))
