@@ -1,6 +1,6 @@
 """The benchmark suite: one command, interleaved variants, JSON + markdown table + PNG chart.
 
-    python benchmarks/suite.py --out bench_out                # full: ~15 min on a loaded 2-core CPU
+    python benchmarks/suite.py --out bench_out                # full: ~36 min on a 2-core CPU
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
@@ -402,10 +402,11 @@ def main(argv=None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="directory for suite.json, suite.md, suite.png")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, few steps")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8, help="steps per throughput variant, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2, help="steps after the compiling one before timing")
-    parser.add_argument("--log-every", type=int, default=2, help="host sync / timestamp every N steps")
+    # 28 timed steps (~30 s) per variant: with 12, one variant moved by +-15% between rounds on a shared 2-core box.
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=32, help="steps per throughput variant, warm-up included")
+    parser.add_argument("--warmup", type=int, default=4, help="steps after the compiling one before timing")
+    parser.add_argument("--log-every", type=int, default=4, help="host sync / timestamp every N steps")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--no-checkpoint", action="store_true", help="skip (g), benchmarks/checkpoint_cost.py")
     parser.add_argument("--gpu", action="store_true", help="also run (h), benchmarks/mfu_gpu.py, on this machine's GPU")
