@@ -54,11 +54,17 @@ def shard_state(state, mesh):
     return jax.tree.map(place, state, shardings)
 
 
+def new_model_state(config: LlamaConfig, new_state_fn):
+    """`() -> state` of a new model from `config`: params and optimizer state in one function, so one jit
+    builds both (and `eval_shape` describes both)."""
+    return lambda: new_state_fn(split_model(create_model(config))[1], 0)
+
+
 def abstract_state(config: LlamaConfig, mesh, new_state_fn):
     """ShapeDtypeStructs, with their shardings on `mesh`, of the train state a new model starts from."""
     from ray_jax_train.checkpoint import abstract_state as with_shardings
 
-    tree = jax.eval_shape(lambda: new_state_fn(split_model(create_model(config))[1], 0))
+    tree = jax.eval_shape(new_model_state(config, new_state_fn))
     return with_shardings(tree, state_shardings(tree, mesh))
 
 
@@ -147,8 +153,8 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
     if source not in SOURCES:
         raise ValueError(f"Unknown init source {source!r}; use one of {SOURCES}.")
     if source == "scratch":
-        # Params and optimizer state from one program: a third less tracing and compiling at start-up.
-        return init_sharded(lambda: new_state_fn(split_model(create_model(config))[1], 0), mesh)
+        # One program instead of two: a third less tracing and compiling at start-up.
+        return init_sharded(new_model_state(config, new_state_fn), mesh)
     _, expected = abstract_params(config)
     step, opt_state = 0, None
     if source in ("state", "model"):
