@@ -4,8 +4,8 @@
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
-Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, torch, ray-jax,
-ours-step, scale-1, scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
+Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, ours-devices,
+torch, ray-jax, ours-step, scale-1, scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
 
@@ -41,8 +41,9 @@ import suite_variants as V  # noqa: E402
 # ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
-VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "torch", "ray_jax", "ours_step", "scale1", "scale2", "data")
-TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
+VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_devices", "torch", "ray_jax", "ours_step", "scale1", "scale2",
+            "data")
+TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
 
@@ -114,17 +115,18 @@ def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
-          cache_dir: str = None) -> Dict[str, float]:
+          cache_dir: str = None, cpu_devices: int = 1) -> Dict[str, float]:
     from ray.train import ScalingConfig
 
     import ray_jax_train as rjt
 
     timing_dir = ctx.timing_dir(name)
-    config = {"arguments": V.lm_arguments(ctx.size, steps, ctx.log_every, workers),
+    arguments = dict(V.lm_arguments(ctx.size, steps, ctx.log_every, workers), num_cpu_devices=cpu_devices)
+    config = {"arguments": arguments,
               "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir}
     trainer = rjt.JaxTrainer(
         V.ours_loop, train_loop_config=config,
-        jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir),
+        jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir, num_cpu_devices=cpu_devices),
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
         run_config=_run_config(ctx, name), datasets={"train": ctx.dataset})
     t0 = _fit(trainer)
@@ -148,6 +150,15 @@ def run_ours(ctx: Context, rnd: int) -> Dict[str, float]:
 def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
     """A restart of `ours`: same programs, the cache `ours` just filled; only start-up is measured."""
     return _ours(ctx, "ours_warm", steps=ctx.log_every, cache_dir=_cache_dir(ctx, rnd))
+
+
+def run_ours_devices(ctx: Context, rnd: int) -> Dict[str, float]:
+    """`ours` with one XLA CPU device per core (`JaxConfig(num_cpu_devices=...)`), the batch split over them.
+
+    One CPU device runs a step's elementwise fusions on one thread (about 1.3 busy threads on 2 cores); a device
+    per core runs one data-parallel program per core, and the in-process gradient all-reduce is a memory copy.
+    """
+    return _ours(ctx, "ours_devices", steps=ctx.steps, cpu_devices=os.cpu_count() or 1)
 
 
 def run_scale(workers: int) -> Callable:
@@ -215,7 +226,8 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
     return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
 
 
-RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm, "torch": run_torch,
+RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
+           "ours_devices": run_ours_devices, "torch": run_torch,
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
 
 
@@ -238,6 +250,8 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "overhead_ray_share": _ratio(rounds, "in_worker", "bare"),
         "overhead_ours_share": _ratio(rounds, "ours", "in_worker"),
         "vs_torch": _ratio(rounds, "ours", "torch"),
+        "vs_torch_devices": _ratio(rounds, "ours_devices", "torch"),
+        "devices_gain": _ratio(rounds, "ours_devices", "ours"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
         "scaling": _ratio(rounds, "scale2", "scale1"),
@@ -270,6 +284,8 @@ LABELS = {
     "overhead": "(a) overhead: ours / bare process",
     "overhead_ray_share": "(a) split: bare loop in a JaxTrainer worker / bare process",
     "overhead_ours_share": "(a) split: ours / bare loop in a JaxTrainer worker", "vs_torch": "(b) ours / TorchTrainer",
+    "vs_torch_devices": "(b) ours, a CPU device per core / TorchTrainer",
+    "devices_gain": "(b) ours, a CPU device per core / ours, one device",
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
     "scaling": "(d) scaling: 2 workers / 1 (affinity)",

@@ -1,4 +1,5 @@
-"""The built-in causal-LM loop: accumulation, 2-worker data parallel against one process, argument checks."""
+"""The built-in causal-LM loop: accumulation, 2-worker data parallel against one process (through a kill and
+resume), argument checks."""
 import os
 
 import jax
@@ -30,6 +31,10 @@ def packed_rows(num_docs=120, seed=0):
         start, length = rng.integers(1, VOCAB), rng.integers(4, 40)
         docs.append((start + np.arange(length)) % (VOCAB - 1) + 1)
     return pack_documents(docs, SEQ)
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _max_diff(a, b):
@@ -114,35 +119,50 @@ def test_schedule_warms_up_then_decays():
     assert float(linear(55)) == pytest.approx(0.55)
 
 
-def test_two_workers_match_one_process(ray_cluster, tmp_path):
-    """2 workers x 2 CPU devices (dp=2, fsdp=2, 2 micro-batches) == the same jitted step in this process."""
+def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path):
+    """2 workers x 2 CPU devices (dp=2, fsdp=2, 2 micro-batches) == the same jitted step in this process, even when
+    rank 1 is SIGKILLed at step 5: the group restarts, restores the sharded state from its last registered
+    checkpoint and trains on to the same final params."""
     import ray.data
+    from ray.train import FailureConfig
 
-    steps, record = 5, tmp_path / "record"
+    from ray_jax_train.checkpoint import FAULTS_ENV
+
+    steps, record = 6, tmp_path / "record"
     rows = packed_rows()
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
     args = TrainingArguments(total_steps=steps, batch_size=8, gradient_accumulation_steps=2, max_sequence_length=SEQ,
-                             learning_rate=3e-3, warmup_steps=2, adam_epsilon=1e-4, log_steps=1,
-                             mesh={"dp": 2, "fsdp": -1}, progress_bar=False, resume_if_possible=False)
+                             learning_rate=3e-3, warmup_steps=2, adam_epsilon=1e-4, log_steps=1, save_steps=2,
+                             mesh={"dp": 2, "fsdp": -1}, progress_bar=False, resume_if_possible=True)
     trainer = rjt.JaxTrainer(
         train_loop_per_worker,
         train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": steps,
                            "record_dir": str(record)},
         scaling_config=ScalingConfig(num_workers=2),
-        jax_config=rjt.JaxConfig(num_cpu_devices=2),
-        run_config=RunConfig(name="parity", storage_path=str(tmp_path / "storage")),
+        # The kill fires before the step-5 save; after it the survivor's jax.distributed shutdown waits briefly.
+        jax_config=rjt.JaxConfig(num_cpu_devices=2, env_vars={FAULTS_ENV: "sigkill@5:1"}, shutdown_timeout_s=5),
+        run_config=RunConfig(name="parity", storage_path=str(tmp_path / "storage"),
+                             failure_config=FailureConfig(max_failures=1)),
         datasets={"train": dataset},
     )
     result = trainer.fit()
-    assert result.error is None
+    assert result.error is None, result.error
+
+    # The restart resumed from the step-2 or step-4 checkpoint (whichever Ray had registered), not from scratch.
+    resumed = sorted(record.glob("resumed_params_*.npz"))
+    assert len(resumed) == 1, resumed
+    resumed_at = int(resumed[0].stem.rsplit("_", 1)[1])
+    assert resumed_at in (2, 4)
 
     initial = dict(np.load(record / "initial_params.npz"))
     final = dict(np.load(record / "final_params.npz"))
-    batches = dict(np.load(record / "batches.npz"))
+    # Each step's global batch as last trained on: the restart overwrote the steps it repeated.
+    per_step = [dict(np.load(record / f"batch_{i:06d}.npz")) for i in range(1, steps + 1)]
+    batches = {k: np.stack([b[k] for b in per_step]) for k in per_step[0]}
     assert batches["input_ids"].shape == (steps, 8, SEQ)
     # Scratch init inside jit on the mesh gives the model's own seeded init.
     graphdef, params = split_model(create_model(CONFIG))
-    flat_eager = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    flat_eager = _flat(params)
     assert flat_eager.keys() == initial.keys()
     assert max(float(np.max(np.abs(flat_eager[k] - initial[k]))) for k in initial) < 1e-6
 
@@ -151,17 +171,23 @@ def test_two_workers_match_one_process(ray_cluster, tmp_path):
     state = new_state(params, optimizer)
     losses = []
     for i in range(steps):
+        if i == resumed_at:  # the restored params are exactly the ones the uninterrupted replay has here
+            restored = dict(np.load(resumed[0]))
+            assert max(float(np.max(np.abs(_flat(state["params"])[k] - restored[k]))) for k in restored) < 1e-6
         state, metrics = step(state, {k: v[i] for k, v in batches.items()})
         losses.append(float(metrics["loss"]))
-    ref = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+    ref = _flat(state["params"])
     assert max(float(np.max(np.abs(ref[k] - final[k]))) for k in final) < 1e-5
     assert max(float(np.max(np.abs(ref[k] - initial[k]))) for k in final) > 1e-3  # it did train
 
+    # Rank 0 logged steps 1-5 before the kill, then the resumed run logged from its checkpoint on.
     records = read_metrics(result.path)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    np.testing.assert_allclose([r["loss"] for r in records], losses, rtol=1e-5)
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in records[1:])
-    assert records[-1]["learning_rate"] < records[1]["learning_rate"]  # cosine decay after warmup
+    assert [r["step"] for r in records] == list(range(1, 6)) + list(range(resumed_at + 1, steps + 1))
+    latest = {r["step"]: r for r in records}  # the last record of each step is the one that counts
+    np.testing.assert_allclose([latest[i]["loss"] for i in range(1, steps + 1)], losses, rtol=1e-5)
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in records[1:5])
+    assert latest[steps]["learning_rate"] < latest[2]["learning_rate"]  # cosine decay after warmup
+    assert result.metrics["step"] == steps
     # The exported final model is the trained one.
     _, exported_params = split_model(from_pretrained(os.path.join(result.path, "final_model")))
     assert _max_diff(exported_params, state["params"]) < 1e-5

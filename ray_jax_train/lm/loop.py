@@ -7,7 +7,7 @@ Config keys (built by `RayDistributedTrainer.train`, or by hand for `JaxTrainer`
     init          starting point from `state.init_spec` (default: a new model)
     columns       dataset columns to feed (default: the packed-row columns)
     has_eval      whether an "eval" dataset was given
-    record_dir    tests only: rank 0 writes the initial params and every global batch there
+    record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
 """
@@ -86,7 +86,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     step = int(jax.device_get(state["step"]))  # one sync, before the loop
 
     recorder = _Recorder(config.get("record_dir"), rank0)
-    recorder.params("initial_params", state["params"])
+    recorder.params("initial_params" if step == 0 else f"resumed_params_{step}", state["params"])
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
     train_step = _with_mesh(mesh, step_fn)
@@ -120,7 +120,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         batches = first_epoch() if first_epoch is not None else open_epoch(epoch, skip)
         first_epoch = None
         for batch in batches:
-            recorder.batch(batch)
+            recorder.batch(step + 1, batch)
             state, metrics = train_step(state, batch)
             step, seen = step + 1, seen + 1
             pending.append(metrics)
@@ -171,7 +171,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         from ray_jax_train.models import save_pretrained
 
         save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
-    recorder.close()
 
 
 def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) -> Callable[[], Iterator]:
@@ -263,13 +262,17 @@ def _append_jsonl(run_dir: Optional[str], record: Dict[str, Any]) -> None:
 
 
 class _Recorder:
-    """Test hook: rank 0 keeps every global batch and the params, so a test can replay the run in one process.
+    """Test hook: rank 0 keeps every step's global batch and the params, so a test can replay the run in one process.
 
-    The gathers are collective, so every process runs them; only rank 0 writes.
+    Each batch is written at once, as `batch_<step>.npz`: a worker killed mid-run leaves the batches it trained on,
+    and a resumed run overwrites the steps it repeats. The gathers are collective, so every process runs them;
+    only rank 0 writes.
     """
 
     def __init__(self, path: Optional[str], rank0: bool):
-        self.path, self.rank0, self.batches = path, rank0, []
+        self.path, self.rank0 = path, rank0
+        if path and rank0:
+            os.makedirs(path, exist_ok=True)
 
     def _gather(self, tree):
         import jax
@@ -277,9 +280,11 @@ class _Recorder:
 
         return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
 
-    def batch(self, batch) -> None:
+    def batch(self, step: int, batch) -> None:
         if self.path:
-            self.batches.append(self._gather(batch))
+            gathered = self._gather(batch)
+            if self.rank0:
+                np.savez(os.path.join(self.path, f"batch_{step:06d}.npz"), **gathered)
 
     def params(self, name: str, params) -> None:
         if not self.path:
@@ -288,10 +293,4 @@ class _Recorder:
 
         flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(self._gather(params))}
         if self.rank0:
-            os.makedirs(self.path, exist_ok=True)
             np.savez(os.path.join(self.path, f"{name}.npz"), **flat)
-
-    def close(self) -> None:
-        if self.path and self.rank0 and self.batches:
-            keys = self.batches[0].keys()
-            np.savez(os.path.join(self.path, "batches.npz"), **{k: np.stack([b[k] for b in self.batches]) for k in keys})
