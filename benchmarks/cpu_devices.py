@@ -13,42 +13,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def measure(devices: int, steps: int, warmup: int) -> float:
-    """Runs in the child process: tokens/s of the built-in train step over `devices` CPU devices."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
+def measure(steps: int, warmup: int) -> float:
+    """Runs in the child process: tokens/s of the suite's bare step, data-parallel over all its CPU devices."""
     import suite
     import suite_variants as V
-    from ray_jax_train.config import LlamaConfig
-    from ray_jax_train.lm import state as state_lib
-    from ray_jax_train.lm.arguments import TrainingArguments
-    from ray_jax_train.lm.step import make_optimizer, make_train_step, new_state
-    from ray_jax_train.models import create_model
 
-    size = suite.FULL
-    optimizer, _ = make_optimizer(TrainingArguments(**V.lm_arguments(size, steps, 1)), steps)
-    graphdef, params = state_lib.split_model(create_model(LlamaConfig(**V.model_dict(size))))
-    mesh = Mesh(np.array(jax.devices()), ("dp",))
-    state = jax.device_put(new_state(params, optimizer), NamedSharding(mesh, P()))
-    rows = V.make_rows({"id": np.arange(steps * size["batch"])}, size["vocab"], size["seq"])
-    step_fn = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=(0,))
-    with jax.set_mesh(mesh):
-        for i in range(steps):
-            batch = {k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]], NamedSharding(mesh, P("dp")))
-                     for k, v in rows.items()}
-            state, metrics = step_fn(state, batch)
-            if i + 1 == warmup:
-                float(metrics["loss"])
-                start = time.time()
-        float(metrics["loss"])
-    return (steps - warmup) * size["batch"] * size["seq"] / (time.time() - start)
+    timing = V.bare_run(suite.FULL, steps, warmup, log_every=warmup, data_parallel=True)
+    timed_steps, seconds = V.steady(timing["log_times"], warmup)
+    return timed_steps * suite.FULL["batch"] * suite.FULL["seq"] / seconds
 
 
 def main(argv=None):
@@ -60,7 +36,7 @@ def main(argv=None):
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps({"tokens_per_s": measure(args.child, args.steps, args.warmup)}))
+        print(json.dumps({"tokens_per_s": measure(args.steps, args.warmup)}))
         return
     results = {n: [] for n in args.devices}
     for rnd in range(args.rounds):

@@ -53,13 +53,19 @@ def _write(timing_dir: str, name: str, record: Dict[str, Any]) -> None:
 # -- (a) the built-in loop, bare and on our JaxTrainer ------------------------------------------------------
 
 
-def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int) -> Dict[str, Any]:
+def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int,
+             data_parallel: bool = False) -> Dict[str, Any]:
     """The built-in loop's jitted train step in this process, no Ray: the overhead baseline.
 
     Same optimizer, state and step function as `ray_jax_train.lm.loop`; batches are host int32 arrays put on
     device each step (the trainer's data path does the same), losses fetched only at sync points.
+    `data_parallel` replicates the state over all of this process's devices and splits each batch over them
+    (`cpu_devices.py`); otherwise everything lives on the default device.
     """
+    import contextlib
+
     import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from ray_jax_train.config import LlamaConfig
     from ray_jax_train.lm import state as state_lib
@@ -72,18 +78,24 @@ def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int) -> D
     optimizer, _ = make_optimizer(args, steps)
     graphdef, params = state_lib.split_model(create_model(cfg))
     state = new_state(params, optimizer)
+    mesh = Mesh(np.array(jax.devices()), ("dp",)) if data_parallel else None
+    batch_sharding = NamedSharding(mesh, PartitionSpec("dp")) if data_parallel else None
+    if data_parallel:
+        state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
     step_fn = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=(0,))
     rows = make_rows({"id": np.arange(steps * size["batch"])}, size["vocab"], size["seq"])
     log_times, first = [], None
-    for i in range(steps):
-        batch = {k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]]) for k, v in rows.items()}
-        state, metrics = step_fn(state, batch)
-        if first is None:
-            jax.block_until_ready(metrics)
-            first = time.time()
-        if (i + 1) % log_every == 0:
-            float(metrics["loss"])
-            log_times.append((i + 1, time.time()))
+    with jax.set_mesh(mesh) if data_parallel else contextlib.nullcontext():
+        for i in range(steps):
+            batch = {k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]], batch_sharding)
+                     for k, v in rows.items()}
+            state, metrics = step_fn(state, batch)
+            if first is None:
+                jax.block_until_ready(metrics)
+                first = time.time()
+            if (i + 1) % log_every == 0:
+                float(metrics["loss"])
+                log_times.append((i + 1, time.time()))
     return {"log_times": log_times, "first_step_time": first}
 
 
