@@ -1,10 +1,12 @@
 """The suite's train step in a bare process with 1, 2, 4... XLA CPU devices, the batch split data-parallel.
 
     python benchmarks/cpu_devices.py --devices 1 2 4 --rounds 2
+    python benchmarks/cpu_devices.py --devices 1 2 --xla-flags=--xla_cpu_experimental_ynn_fusion_type=+eltwise,+reduce
 
 One XLA CPU device runs a step's elementwise fusions on one thread; this measures what a device per core
 (`JaxConfig(num_cpu_devices=N)` in a worker) gains. Each count runs in its own process (the device count is
-fixed when JAX starts), interleaved over rounds. Prints tokens/s per round and writes nothing else.
+fixed when JAX starts), interleaved over rounds. Each `--xla-flags=...` (repeatable) adds an `XLA_FLAGS` setting
+to compare with the default the same way: every device count runs with the default and with every setting. Prints tokens/s per round and writes nothing else.
 """
 from __future__ import annotations
 
@@ -33,21 +35,26 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--xla-flags", action="append", default=[],
+                        help="an XLA_FLAGS setting to compare with the default (repeatable; write --xla-flags=--xla_...)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps({"tokens_per_s": measure(args.steps, args.warmup)}))
         return
-    results = {n: [] for n in args.devices}
+    variants = [(n, flags) for flags in [""] + args.xla_flags for n in args.devices]
+    results = {variant: [] for variant in variants}
     for rnd in range(args.rounds):
-        for n in args.devices:
+        for n, flags in variants:
+            all_flags = " ".join([os.environ.get("XLA_FLAGS", ""), flags, f"--xla_force_host_platform_device_count={n}"])
             env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
-                       XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip())
+                       XLA_FLAGS=all_flags.strip())
             out = subprocess.run([sys.executable, __file__, "--child", str(n), "--steps", str(args.steps),
                                   "--warmup", str(args.warmup)], env=env, check=True, capture_output=True, text=True)
-            results[n].append(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
-            print(f"round {rnd}: {n} device(s): {results[n][-1]:.0f} tokens/s", flush=True)
-    print(json.dumps({str(n): [round(v) for v in vs] for n, vs in results.items()}))
+            results[(n, flags)].append(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
+            print(f"round {rnd}: {n} device(s) {flags or '(default flags)'}: {results[(n, flags)][-1]:.0f} tokens/s",
+                  flush=True)
+    print(json.dumps({f"{n} {flags}".strip(): [round(v) for v in vs] for (n, flags), vs in results.items()}))
 
 
 if __name__ == "__main__":

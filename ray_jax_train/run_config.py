@@ -559,8 +559,8 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     from ray.train.v2.api.config import LoggingConfig
 
     from ray_jax_train.lm import state as state_lib
-    from ray_jax_train.lm.data import prepare_lm_dataset
-    from ray_jax_train.lm.loop import train_loop_per_worker
+    from ray_jax_train.lm.data import prepare_lm_datasets
+    from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
     from ray_jax_train.trainer import JaxTrainer
 
     name = run_name or config.run_name()
@@ -584,14 +584,9 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)
 
     train_source, eval_source = _datasets(config)
-    train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args,
-                                           max_position_embeddings=model_config.max_position_embeddings)
-    datasets = {"train": train_ds.materialize()}
-    if eval_source is not None:
-        eval_ds, _ = prepare_lm_dataset(eval_source, tokenizer, args, what="data.eval_source",
-                                        max_position_embeddings=model_config.max_position_embeddings)
-        datasets["eval"] = eval_ds.materialize()
-    total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
+    datasets, columns, total_steps = prepare_lm_datasets(
+        train_source, eval_source, tokenizer, args, materialize=True, names=("data.source", "data.eval_source"),
+        max_position_embeddings=model_config.max_position_embeddings)
 
     s = config.scaling
     custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker
@@ -603,9 +598,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         callbacks.append(TensorBoardCallback(os.path.join(run_dir, "tensorboard")))
     trainer = JaxTrainer(
         quiet_train_loop if quiet else train_loop_per_worker,
-        train_loop_config={"arguments": args.model_dump(), "model_config": model_config.model_dump(),
-                           "total_steps": total_steps, "init": init, "columns": columns,
-                           "has_eval": "eval" in datasets},
+        train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
                                      resources_per_worker=s.worker_resources() if custom else None,
                                      placement_strategy=s.placement_strategy),

@@ -6,7 +6,7 @@ data, no chat template) raise here, before any worker starts.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ray_jax_train.lm.arguments import TrainingArguments
 
@@ -55,3 +55,38 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
     if missing:
         raise text.MissingColumnError(f"{what}: the rows fed to the model lack {missing} (columns: {names}).")
     return packed, [name for name in REQUIRED + OPTIONAL if name in names]
+
+
+def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: TrainingArguments, *,
+                        max_position_embeddings: Optional[int] = None, data_collator: Optional[Callable] = None,
+                        materialize: bool = False, names: Tuple[str, str] = ("dataset_train", "dataset_eval"),
+                        ) -> Tuple[Dict[str, Any], List[str], int]:
+    """(datasets {"train"[, "eval"]}, the columns to feed, the run's total steps) for the built-in loop.
+
+    The one driver-side path that every entry point (Python API, JSON config, CLI) takes, so each gets the same
+    checks before a worker starts: eval rows must feed the same columns, and warmup must fit in the run.
+    The datasets are materialised (tokenised now) when asked, when counting rows is the only way to know the
+    step count (num_epochs), or when the workers would hold every CPU and starve the Ray Data tasks (a hang).
+    """
+    train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
+                                           max_position_embeddings=max_position_embeddings, what=names[0])
+    datasets = {"train": train_ds}
+    if eval_source is not None:
+        datasets["eval"], eval_columns = prepare_lm_dataset(
+            eval_source, tokenizer, args, data_collator=data_collator, what=names[1],
+            max_position_embeddings=max_position_embeddings)
+        if eval_columns != columns:
+            raise ValueError(f"{names[1]} feeds columns {eval_columns}, {names[0]} {columns}; they must match.")
+    if materialize or args.total_steps is None or _too_few_cpus(args):
+        datasets = {name: ds.materialize() for name, ds in datasets.items()}
+    total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
+    if args.warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
+                         "warmup_steps or train longer.")
+    return datasets, columns, total_steps
+
+
+def _too_few_cpus(args: TrainingArguments) -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 1

@@ -44,12 +44,6 @@ def _json_safe(variables: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _too_few_cpus(args: TrainingArguments) -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 1
-
-
 class RayDistributedTrainer:
     """Train a scaled Llama-family causal LM on Ray workers.
 
@@ -237,8 +231,8 @@ class RayDistributedTrainer:
 
         from ray_jax_train.backend import JaxConfig
         from ray_jax_train.lm import state as state_lib
-        from ray_jax_train.lm.data import prepare_lm_dataset
-        from ray_jax_train.lm.loop import train_loop_per_worker
+        from ray_jax_train.lm.data import prepare_lm_datasets
+        from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
         from ray_jax_train.trainer import JaxTrainer
 
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
@@ -256,29 +250,15 @@ class RayDistributedTrainer:
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
 
         tokenizer = self._maybe_tokenizer()
-        train_ds, columns = prepare_lm_dataset(dataset_train, tokenizer, args, data_collator=data_collator,
-                                               max_position_embeddings=config.max_position_embeddings)
-        datasets = {"train": train_ds}
-        if dataset_eval is not None:
-            datasets["eval"], eval_columns = prepare_lm_dataset(
-                dataset_eval, tokenizer, args, data_collator=data_collator, what="dataset_eval",
-                max_position_embeddings=config.max_position_embeddings)
-            if eval_columns != columns:
-                raise ValueError(f"dataset_eval feeds columns {eval_columns}, dataset_train {columns}; they must match.")
-        if args.total_steps is None or _too_few_cpus(args):
-            # Tokenise now, on the driver's cluster: to count rows for num_epochs, or because the training
-            # workers would hold every CPU and leave none for the Ray Data actors (a silent hang).
-            datasets = {name: ds.materialize() for name, ds in datasets.items()}
-        total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
-        if args.warmup_steps > total_steps:
-            raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps.")
+        datasets, columns, total_steps = prepare_lm_datasets(
+            dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
+            max_position_embeddings=config.max_position_embeddings)
 
         run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = JaxTrainer(
             train_loop_per_worker,
-            train_loop_config={"arguments": args.model_dump(), "model_config": config.model_dump(),
-                               "total_steps": total_steps, "init": init, "columns": columns,
-                               "has_eval": dataset_eval is not None, **self._extra_loop_config},
+            train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
+                                          **self._extra_loop_config),
             scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
             jax_config=JaxConfig(num_cpu_devices=args.num_cpu_devices),
             run_config=RunConfig(
