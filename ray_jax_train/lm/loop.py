@@ -1,6 +1,6 @@
 """The built-in causal-LM `train_loop_per_worker`: what every JaxTrainer worker runs for `RayDistributedTrainer`.
 
-Config keys (built by `RayDistributedTrainer.train`, or by hand for `JaxTrainer`):
+Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CLI do, or by hand for `JaxTrainer`):
     arguments     TrainingArguments as a dict
     model_config  LlamaConfig as a dict (precision overrides already applied)
     total_steps   resolved number of optimizer steps
