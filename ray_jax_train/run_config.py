@@ -480,7 +480,7 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str):
 
 
 def _datasets(config: ExperimentConfig):
-    """Train (and eval) sources as prepare_lm_dataset takes them: row dicts for stdlib, paths for files."""
+    """Train (and eval) sources as prepare_lm_datasets takes them: row dicts for stdlib, paths for files."""
     from ray_jax_train.text import local_corpus
 
     if config.data.paths():

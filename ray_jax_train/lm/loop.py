@@ -29,8 +29,8 @@ DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "position
 
 
 def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], columns: List[str], has_eval: bool,
-                **extra: Any) -> Dict[str, Any]:
-    """The `train_loop_config` that `train_loop_per_worker` reads (keys in the module docstring)."""
+                /, **extra: Any) -> Dict[str, Any]:
+    """The `train_loop_config` that `train_loop_per_worker` reads (keys in the module docstring); `extra` wins."""
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
             "init": init, "columns": list(columns), "has_eval": has_eval, **extra}
 
