@@ -161,11 +161,30 @@ def iter_jax_batches(
 
 
 def _split_rows(batches, rows: int):
-    """Cut large host reads into per-step pieces of `rows` (views, no copies); the tail stays partial."""
+    """Cut host reads into per-step pieces of exactly `rows`; only the stream's last piece may be short.
+
+    Ray Data's prefetch threads do not keep order, so a read's short tail can arrive before full reads. A
+    short piece is therefore carried into the next read (copying just the rows it needs), never yielded
+    mid-stream: the multi-process agreement takes a short piece for the end of the data, and would otherwise
+    end the epoch early, or at once. Full pieces are views, no copies.
+    """
+    carry = None
     for batch in batches:
-        total = _rows(batch)
-        for start in range(0, total, rows):
+        total, start = _rows(batch), 0
+        if carry is not None and total:
+            start = min(rows - _rows(carry), total)
+            carry = {key: np.concatenate([carry[key], batch[key][:start]]) for key in carry}
+            if _rows(carry) < rows:
+                continue
+            yield carry
+            carry = None
+        while total - start >= rows:
             yield {key: value[start:start + rows] for key, value in batch.items()}
+            start += rows
+        if start < total:
+            carry = {key: value[start:] for key, value in batch.items()}
+    if carry is not None:
+        yield carry
 
 
 def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:
