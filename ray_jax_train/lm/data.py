@@ -63,8 +63,8 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
                         ) -> Tuple[Dict[str, Any], List[str], int]:
     """(datasets {"train"[, "eval"]}, the columns to feed, the run's total steps) for the built-in loop.
 
-    The one driver-side path that every entry point (Python API, JSON config, CLI, Tune trials) takes, so each gets the same
-    checks before a worker starts: eval rows must feed the same columns, and warmup must fit in the run.
+    The one driver-side path that every entry point (Python API, JSON config, CLI, Tune trials) takes, so each
+    gets the same checks before a worker starts: eval rows must feed the same columns, and warmup must fit.
     The datasets are materialised (tokenised now) when asked, when counting rows is the only way to know the
     step count (num_epochs), or when the workers would hold every CPU and starve the Ray Data tasks (a hang).
     """
