@@ -39,7 +39,10 @@ class JaxConfig(BackendConfig):
         xla_flags: appended to the workers' `XLA_FLAGS`.
         gpu_memory_preallocate / gpu_memory_fraction: JAX's GPU allocator settings, e.g. to share a GPU
             between Tune trials.
-        compilation_cache_dir: JAX persistent compilation cache, so restarts skip recompilation.
+        compilation_cache: keep JAX's persistent compilation cache (on by default), so a restart after a failure
+            loads its compiled programs instead of compiling them again.
+        compilation_cache_dir: where that cache lives; None puts it in the run's storage directory,
+            `<storage_path>/<name>/compilation_cache`, when that is a local or mounted filesystem.
         cpu_affinity: pin each CPU worker to its own cores (local rank x CPUs per worker). XLA's CPU thread
             pool sizes itself from the affinity mask, so without pinning N workers on one node oversubscribe it.
             Opt-in: two trainers sharing a node (e.g. Tune trials) would pin onto the same cores.
@@ -56,6 +59,7 @@ class JaxConfig(BackendConfig):
     xla_flags: Sequence[str] = ()
     gpu_memory_preallocate: Optional[bool] = None
     gpu_memory_fraction: Optional[float] = None
+    compilation_cache: bool = True
     compilation_cache_dir: Optional[str] = None
     cpu_affinity: bool = False
     initialization_timeout_s: int = 300
@@ -129,7 +133,7 @@ class JaxConfig(BackendConfig):
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if self.gpu_memory_preallocate else "false"
         if self.gpu_memory_fraction is not None:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.gpu_memory_fraction:.4f}"
-        if self.compilation_cache_dir:
+        if self.compilation_cache and self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
         return env
 
@@ -240,10 +244,11 @@ def _setup_worker(
     if config.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if config.compilation_cache_dir:
+    if config.compilation_cache and config.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
         # Small CPU programs compile fast but are still worth caching for restarts.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        _count_cache_hits()
 
     jax.distributed.initialize(
         coordinator_address=coordinator,
@@ -277,9 +282,50 @@ class _WorkerState:
     """What the backend set up in this worker process, for the in-loop helpers."""
 
     config: Optional[JaxConfig] = None
+    cache_hits: int = 0
+    counting_cache_hits: bool = False
 
 
 _state = _WorkerState()
+
+
+def _count_cache_hits() -> None:
+    if _state.counting_cache_hits:  # listeners outlive a restart of the group in a reused process
+        return
+    import jax
+
+    def on_event(event: str, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            _state.cache_hits += 1
+
+    jax.monitoring.register_event_listener(on_event)
+    _state.counting_cache_hits = True
+
+
+def compilation_cache_hits() -> int:
+    """How many programs this worker process loaded from the persistent compilation cache instead of compiling.
+
+    After a restart it tells whether the cache in the run's storage was used (0 outside a JaxTrainer worker).
+    """
+    return _state.cache_hits
+
+
+def place_compilation_cache(config: JaxConfig, run_config) -> None:
+    """Put the persistent compilation cache in the run's storage unless the user chose a place for it.
+
+    The run directory is what a restarted worker group (and a re-run `fit()` of the same run) sees again, so
+    their programs load instead of compiling. Storage behind a URI or a custom filesystem has no local path
+    for JAX to write to; then the cache stays off unless `compilation_cache_dir` names one.
+    """
+    if not config.compilation_cache or config.compilation_cache_dir:
+        return
+    storage = str(run_config.storage_path)
+    if run_config.storage_filesystem is not None or "://" in storage:
+        logger.info("Run storage %s is not a local path; set JaxConfig(compilation_cache_dir=...) to keep JAX's "
+                    "compilation cache for restarts.", storage)
+        return
+    config.compilation_cache_dir = os.path.join(os.path.abspath(os.path.expanduser(storage)), run_config.name,
+                                                "compilation_cache")
 
 
 def worker_config() -> Optional[JaxConfig]:

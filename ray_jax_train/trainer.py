@@ -10,7 +10,7 @@ from ray.train import DataConfig
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from ray_jax_train.backend import JaxConfig, resolve_jax_config
+from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config
 
 
 def check_train_loop(fn: Callable) -> None:
@@ -69,6 +69,7 @@ class JaxTrainer(DataParallelTrainer):
             datasets=datasets,
             validation_config=validation_config,
         )
+        place_compilation_cache(self.backend_config, self.run_config)
 
     @property
     def jax_config(self) -> JaxConfig:

@@ -52,6 +52,25 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert env["JAX_DEBUG_NANS"] == "1" and env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cc"
 
 
+def test_compilation_cache_defaults_to_the_run_storage(tmp_path):
+    from ray.train import RunConfig
+
+    def loop():
+        pass
+
+    local = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path=str(tmp_path)))
+    assert local.jax_config.compilation_cache_dir == str(tmp_path / "r" / "compilation_cache")
+    chosen = rjt.JaxTrainer(loop, jax_config=rjt.JaxConfig(compilation_cache_dir="/tmp/cc"),
+                            run_config=RunConfig(name="r", storage_path=str(tmp_path)))
+    assert chosen.jax_config.compilation_cache_dir == "/tmp/cc"
+    off = rjt.JaxTrainer(loop, jax_config=rjt.JaxConfig(compilation_cache=False),
+                         run_config=RunConfig(name="r", storage_path=str(tmp_path)))
+    assert off.jax_config.compilation_cache_dir is None and "JAX_COMPILATION_CACHE_DIR" not in off.jax_config.worker_env()
+    # JAX writes its cache through a local path; a bucket needs an explicit directory.
+    remote = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path="s3://bucket/runs"))
+    assert remote.jax_config.compilation_cache_dir is None
+
+
 def test_train_loop_with_two_arguments_is_rejected():
     def two(config, extra):
         pass

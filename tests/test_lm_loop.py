@@ -1,5 +1,6 @@
 """The built-in causal-LM loop: accumulation, 2-worker data parallel against one process (through a kill and
 resume), argument checks."""
+import json
 import os
 
 import jax
@@ -153,6 +154,12 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path):
     assert len(resumed) == 1, resumed
     resumed_at = int(resumed[0].stem.rsplit("_", 1)[1])
     assert resumed_at in (2, 4)
+    # The restart loaded its programs from the compilation cache that the first attempt left in the run's storage.
+    first_steps = {int(p.stem.rsplit("_", 1)[1]): json.loads(p.read_text()) for p in record.glob("first_step_*.json")}
+    assert sorted(first_steps) == [1, resumed_at + 1], first_steps
+    assert first_steps[1]["compilation_cache_hits"] == 0
+    assert first_steps[resumed_at + 1]["compilation_cache_hits"] >= 2, first_steps
+    assert any((tmp_path / "storage" / "parity" / "compilation_cache").iterdir())
 
     initial = dict(np.load(record / "initial_params.npz"))
     final = dict(np.load(record / "final_params.npz"))

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -50,6 +51,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.models import flops_per_token
     from ray_jax_train.sharding import check_llama_parallelism
 
+    started = time.perf_counter()
     args = TrainingArguments.model_validate(config["arguments"])
     model_config = LlamaConfig.model_validate(config["model_config"])
     total_steps = int(config.get("total_steps") or args.total_steps or 0)
@@ -137,6 +139,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 jax.block_until_ready(metrics)
                 throughput.start()
                 compiled = True
+                _log_first_step(step, time.perf_counter() - started, recorder)
             progress.update(1)
             due_log = step % args.log_steps == 0 or step == total_steps
             due_eval = config.get("has_eval") and (
@@ -218,6 +221,16 @@ def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) ->
     return join
 
 
+def _log_first_step(step: int, seconds: float, recorder: "_Recorder") -> None:
+    """Say how long start-up took and whether the compiled programs came from the persistent cache (restarts)."""
+    from ray_jax_train.backend import compilation_cache_hits
+
+    hits = compilation_cache_hits()
+    logger.info("Step %d done %.1f s after the loop started; %d programs loaded from the compilation cache.",
+                step, seconds, hits)
+    recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits})
+
+
 def _with_mesh(mesh, fn):
     import jax
 
@@ -292,6 +305,11 @@ class _Recorder:
             gathered = self._gather(batch)
             if self.rank0:
                 np.savez(os.path.join(self.path, f"batch_{step:06d}.npz"), **gathered)
+
+    def json(self, name: str, record: Dict[str, Any]) -> None:
+        if self.path and self.rank0:
+            with open(os.path.join(self.path, f"{name}.json"), "w") as f:
+                json.dump(record, f)
 
     def params(self, name: str, params) -> None:
         if not self.path:
