@@ -314,10 +314,16 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     """Put the persistent compilation cache in the run's storage unless the user chose a place for it.
 
     The run directory is what a restarted worker group (and a re-run `fit()` of the same run) sees again, so
-    their programs load instead of compiling. Storage behind a URI or a custom filesystem has no local path
-    for JAX to write to; then the cache stays off unless `compilation_cache_dir` names one.
+    their programs load instead of compiling. JAX's own `JAX_COMPILATION_CACHE_DIR`, set on the driver, names a
+    cache that every run shares instead (Tune trials, repeated experiments, a test session). Storage behind a URI
+    or a custom filesystem has no local path for JAX to write to; then the cache stays off unless one of those
+    names a directory.
     """
     if not config.compilation_cache or config.compilation_cache_dir:
+        return
+    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if shared:
+        config.compilation_cache_dir = shared
         return
     storage = str(run_config.storage_path)
     if run_config.storage_filesystem is not None or "://" in storage:

@@ -1,11 +1,16 @@
 """One local Ray cluster for the whole test session: starting Ray costs seconds, so tests share it."""
 import os
+import tempfile
 
 import pytest
 
 # The test process itself runs single-process references on the CPU with 4 devices (for mesh tests).
 # Set through jax.config, not XLA_FLAGS, so Ray workers (which inherit this environment) are unaffected.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the session's runs (ray_jax_train reads JAX's own variable on the driver): most
+# tests train the same tiny programs, and compiling them again in every test is most of the suite's time.
+# Tests of the default (a cache in the run's storage) take this variable out with monkeypatch.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="rjt_test_compilation_cache_"))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 4)

@@ -52,11 +52,15 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert env["JAX_DEBUG_NANS"] == "1" and env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cc"
 
 
-def test_compilation_cache_defaults_to_the_run_storage(tmp_path):
+def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
     from ray.train import RunConfig
 
     def loop():
         pass
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/shared")  # JAX's own variable: one cache for all runs
+    assert rjt.JaxTrainer(loop).jax_config.compilation_cache_dir == "/tmp/shared"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
 
     local = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path=str(tmp_path)))
     assert local.jax_config.compilation_cache_dir == str(tmp_path / "r" / "compilation_cache")

@@ -120,7 +120,7 @@ def test_schedule_warms_up_then_decays():
     assert float(linear(55)) == pytest.approx(0.55)
 
 
-def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path):
+def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, monkeypatch):
     """2 workers x 2 CPU devices (dp=2, fsdp=2, 2 micro-batches) == the same jitted step in this process, even when
     rank 1 is SIGKILLed at step 5: the group restarts, restores the sharded state from its last registered
     checkpoint and trains on to the same final params."""
@@ -130,6 +130,7 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path):
     from ray_jax_train.checkpoint import FAULTS_ENV
 
     steps, record = 6, tmp_path / "record"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # the default: a compilation cache in the run's storage
     rows = packed_rows()
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
     args = TrainingArguments(total_steps=steps, batch_size=8, gradient_accumulation_steps=2, max_sequence_length=SEQ,
