@@ -80,6 +80,24 @@ class JaxTrainer(DataParallelTrainer):
         with _fast_report_polling():
             return super().fit()
 
+    def _create_default_callbacks(self):
+        return _without_blind_cleaner(super()._create_default_callbacks())
+
+
+def _without_blind_cleaner(callbacks):
+    """Leave out Ray Train's placement-group cleaner when Ray runs without its dashboard.
+
+    The cleaner asks the dashboard's State API every second whether the controller is alive. Without a dashboard
+    (`ray.init(include_dashboard=False)`, as in the quick start, the CLI and the tests) every query fails: it
+    logs a warning each second, spends ~2% of a core, and can never clean anything up.
+    """
+    from ray._private.worker import get_dashboard_url
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    if get_dashboard_url():
+        return callbacks
+    return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
 
 @contextlib.contextmanager
 def _fast_report_polling(interval_s: str = "0.1"):
