@@ -246,9 +246,14 @@ def _setup_worker(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.compilation_cache and config.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-        # Small CPU programs compile fast but are still worth caching for restarts.
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        _count_cache_hits()
+        if config.platform == "cpu":
+            # Small CPU programs compile fast but are still worth caching for restarts. On accelerators JAX's
+            # 1 s floor keeps eager ops' programs out of the (often networked) run storage.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    elif not config.compilation_cache:
+        # Workers inherit the raylet's environment, where a JAX_COMPILATION_CACHE_DIR would switch it on.
+        jax.config.update("jax_enable_compilation_cache", False)
+    _count_cache_hits()
 
     jax.distributed.initialize(
         coordinator_address=coordinator,
@@ -326,6 +331,8 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
         config.compilation_cache_dir = shared
         return
     storage = str(run_config.storage_path)
+    if storage.startswith("file://"):
+        storage = storage[len("file://"):]
     if run_config.storage_filesystem is not None or "://" in storage:
         logger.info("Run storage %s is not a local path; set JaxConfig(compilation_cache_dir=...) to keep JAX's "
                     "compilation cache for restarts.", storage)

@@ -91,12 +91,22 @@ def _without_blind_cleaner(callbacks):
     (`ray.init(include_dashboard=False)`, as in the quick start, the CLI and the tests) every query fails: it
     logs a warning each second, spends ~2% of a core, and can never clean anything up.
     """
-    from ray._private.worker import get_dashboard_url
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    if get_dashboard_url():
+    if _dashboard_running():
         return callbacks
     return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+
+def _dashboard_running() -> bool:
+    """Whether the cluster's dashboard registered itself. Asked of the cluster, not of this process: a Ray worker
+    (a Tune trial) is told a dashboard address whether or not one runs. When unsure, keep Ray's default."""
+    try:
+        from ray._private.services import get_webui_url_from_internal_kv
+
+        return bool(get_webui_url_from_internal_kv())
+    except Exception:
+        return True
 
 
 @contextlib.contextmanager

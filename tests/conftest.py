@@ -1,5 +1,7 @@
 """One local Ray cluster for the whole test session: starting Ray costs seconds, so tests share it."""
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,7 +12,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the session's runs (ray_jax_train reads JAX's own variable on the driver): most
 # tests train the same tiny programs, and compiling them again in every test is most of the suite's time.
 # Tests of the default (a cache in the run's storage) take this variable out with monkeypatch.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="rjt_test_compilation_cache_"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rjt_test_compilation_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 4)

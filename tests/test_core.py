@@ -36,7 +36,8 @@ def _collectives_and_batches(config):
     import ray_jax_train as rjt
 
     out = {"process_count": jax.process_count(), "device_count": jax.device_count(),
-           "local_device_count": jax.local_device_count()}
+           "local_device_count": jax.local_device_count(),
+           "compilation_cache_on": bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)}
     mesh = rjt.make_mesh({"dp": 2, "tp": -1})
     # A cross-process reduction inside jit: each process contributes (rank + 1) on each local device.
     x = jax.make_array_from_process_local_data(
@@ -78,13 +79,16 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     out.mkdir()
     cleaners = _placement_group_cleaners()
     result = _fit(_collectives_and_batches, tmp_path, config={"out": str(out)},
-                  jax_config=rjt.JaxConfig(num_cpu_devices=2), datasets={"train": ray.data.range(32)})
+                  jax_config=rjt.JaxConfig(num_cpu_devices=2, compilation_cache=False),
+                  datasets={"train": ray.data.range(32)})
     assert result.error is None
     # This cluster has no dashboard, so Ray Train's placement-group cleaner could only fail its State API query
     # (and log a warning) every second: none is started.
     assert _placement_group_cleaners() == cleaners
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for info in ranks:
+        # Off, although the workers inherit this session's JAX_COMPILATION_CACHE_DIR (see conftest.py).
+        assert info["compilation_cache_on"] is False
         assert info["process_count"] == 2
         assert info["device_count"] == 4 and info["local_device_count"] == 2
         assert info["psum"] == 2 * 1.0 + 2 * 2.0
