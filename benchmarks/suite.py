@@ -4,8 +4,9 @@
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
-Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, ours-devices,
-torch, ray-jax, ours-step, scale-1, scale-2, data), so load drift on a shared machine hits all of them alike; the figures are per-round ratios,
+Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, ours-restart with and
+without the cache, ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, data), so load drift on a shared
+machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
 
@@ -16,6 +17,7 @@ Nothing here asserts anything about time. Measurements (targets from the benchma
     scaling    2 workers / 1 worker, 1 CPU each (cpu_affinity=True), same batch per worker          >= 1.8
     input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
     startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
+    restart    a SIGKILLed worker -> the restarted group's first finished step, without / with the cache
     checkpoint benchmarks/checkpoint_cost.py (throughput with saves / without, save & restore MB/s)
 """
 from __future__ import annotations
@@ -41,8 +43,8 @@ import suite_variants as V  # noqa: E402
 # ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
-VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_devices", "torch", "ray_jax", "ours_step", "scale1", "scale2",
-            "data")
+VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_devices", "torch",
+            "ray_jax", "ours_step", "scale1", "scale2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -152,6 +154,34 @@ def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
     return _ours(ctx, "ours_warm", steps=ctx.log_every, cache_dir=_cache_dir(ctx, rnd))
 
 
+def run_restart(cache: bool) -> Callable:
+    """A real restart: the first attempt is SIGKILLed at its first report and Ray starts the group again. Timed
+    from the kill to the restarted loop's first finished step, with the compilation cache in the run's storage
+    (the default) or without it."""
+
+    def run(ctx: Context, rnd: int) -> Dict[str, float]:
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+        import ray_jax_train as rjt
+
+        name = "ours_restart" if cache else "ours_restart_nocache"
+        timing_dir = ctx.timing_dir(name)
+        config = {"arguments": V.lm_arguments(ctx.size, ctx.log_every, ctx.log_every),
+                  "model_config": V.model_dict(ctx.size), "total_steps": ctx.log_every, "timing_dir": timing_dir}
+        trainer = rjt.JaxTrainer(
+            V.restart_loop, train_loop_config=config, jax_config=rjt.JaxConfig(compilation_cache=cache),
+            scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"{name}_{ctx._n}", storage_path=ctx.storage,
+                                 failure_config=FailureConfig(max_failures=1)),
+            datasets={"train": ctx.dataset})
+        _fit(trainer)
+        with open(os.path.join(timing_dir, "killed_at.json")) as f:
+            killed = json.load(f)["time"]
+        return {"restart_s": _read(timing_dir)["first_step_time"] - killed}
+
+    return run
+
+
 def run_ours_devices(ctx: Context, rnd: int) -> Dict[str, float]:
     """`ours` with one XLA CPU device per core (`JaxConfig(num_cpu_devices=...)`), the batch split over them.
 
@@ -227,6 +257,7 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
+           "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_devices": run_ours_devices, "torch": run_torch,
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
 
@@ -260,6 +291,7 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "startup_torch_over_ours_cold": _ratio(rounds, "torch", "ours", "startup_s"),
         "startup_torch_over_ours_warm": _ratio(rounds, "torch", "ours_warm", "startup_s"),
         "startup_cold_over_warm": _ratio(rounds, "ours", "ours_warm", "startup_s"),
+        "restart_nocache_over_cache": _ratio(rounds, "ours_restart_nocache", "ours_restart", "restart_s"),
     }
     out = {}
     for name, values in ratios.items():
@@ -273,7 +305,7 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
 def variant_stats(rounds: List[Dict]) -> Dict[str, Dict]:
     out = {}
     for name in VARIANTS:
-        for key in ("tokens_per_s", "startup_s"):
+        for key in ("tokens_per_s", "startup_s", "restart_s"):
             values = [r[name][key] for r in rounds if name in r and key in r[name]]
             if values:
                 out.setdefault(name, {})[key] = _stats(values)
@@ -293,6 +325,7 @@ LABELS = {
     "startup_torch_over_ours_cold": "(f) start-up: torch / ours, cold cache",
     "startup_torch_over_ours_warm": "(f) start-up: torch / ours, warm cache",
     "startup_cold_over_warm": "(f) start-up: ours cold / ours warm",
+    "restart_nocache_over_cache": "(f) restart after a kill, kill → first step: no cache / cache in the run's storage",
 }
 
 
@@ -308,11 +341,13 @@ def markdown(report: Dict[str, Any]) -> str:
         target = f"≥ {s['target']:g}" if s.get("target") else "—"
         met = ("yes" if s["met"] else "**no**") if "met" in s else "—"
         lines.append(f"| {LABELS.get(name, name)} | {_fmt(s)} | {target} | {met} |")
-    lines += ["", "| variant | tokens/s median [min–max] | fit() → first step, s |", "| --- | --- | --- |"]
+    lines += ["", "| variant | tokens/s median [min–max] | fit() → first step, s | kill → first step after the "
+              "restart, s |", "| --- | --- | --- | --- |"]
     for name, s in report["variants"].items():
         tps = _fmt(s["tokens_per_s"], 0) if "tokens_per_s" in s else "—"
         start = _fmt(s["startup_s"], 1) if "startup_s" in s else "—"
-        lines.append(f"| {name} | {tps} | {start} |")
+        restart = _fmt(s["restart_s"], 1) if "restart_s" in s else "—"
+        lines.append(f"| {name} | {tps} | {start} | {restart} |")
     ckpt = report.get("checkpoint")
     if ckpt:
         lines += ["", f"Checkpoint cost (benchmarks/checkpoint_cost.py, {ckpt.get('workload', 'mlp')} workload, "

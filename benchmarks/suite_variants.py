@@ -147,6 +147,43 @@ def ours_loop(config: Dict[str, Any]) -> None:
         _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first[0]})
 
 
+def restart_loop(config: Dict[str, Any]) -> None:
+    """`ours_loop` SIGKILLed at its first report, to time a restart: the kill -> the restarted loop's first step.
+
+    The first attempt leaves `killed_at.json`; the attempt Ray starts after the kill sees it and times its first
+    finished step. Nothing is checkpointed, so the restart starts at step 0: what is timed is start-up alone
+    (Ray's new worker group, `jax.distributed`, the state, the compile or the cache load).
+    """
+    import signal
+
+    import ray.train
+
+    from ray_jax_train.lm import loop as lm_loop
+    from ray_jax_train.lm.metrics import Throughput
+
+    timing_dir = config["timing_dir"]
+    restarted = os.path.exists(os.path.join(timing_dir, "killed_at.json"))
+    report, start = ray.train.report, Throughput.start
+
+    def kill_at_first_report(metrics, *a, **kw):
+        _write(timing_dir, "killed_at.json", {"time": time.time()})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def timed_start(self):
+        if not os.path.exists(os.path.join(timing_dir, "timing.json")):
+            _write(timing_dir, "timing.json", {"first_step_time": time.time()})
+        return start(self)
+
+    if restarted:
+        Throughput.start = timed_start
+    else:
+        ray.train.report = kill_at_first_report
+    try:
+        lm_loop.train_loop_per_worker({k: v for k, v in config.items() if k != "timing_dir"})
+    finally:
+        ray.train.report, Throughput.start = report, start
+
+
 # -- (e) the input pipeline alone ---------------------------------------------------------------------------
 
 

@@ -15,8 +15,10 @@ def _load_suite():
 
 def test_suite_smoke_writes_json_table_and_chart(ray_cluster, tmp_path):
     suite = _load_suite()
-    # The cheapest part that still goes through Ray: the bare step and the built-in loop on JaxTrainer.
-    report = suite.main(["--smoke", "--variants", "bare", "ours", "--no-checkpoint", "--out", str(tmp_path)])
+    # The cheapest part that still goes through Ray: the bare step and the built-in loop on JaxTrainer, and one
+    # real restart of it (a SIGKILL at its first report).
+    report = suite.main(["--smoke", "--variants", "bare", "ours", "ours_restart", "--no-checkpoint",
+                         "--out", str(tmp_path)])
 
     with open(tmp_path / "suite.json") as f:
         saved = json.load(f)
@@ -24,8 +26,9 @@ def test_suite_smoke_writes_json_table_and_chart(ray_cluster, tmp_path):
     overhead = saved["summary"]["overhead"]
     assert overhead["n"] == 1 and overhead["min"] <= overhead["median"] <= overhead["max"]
     assert overhead["median"] > 0 and overhead["target"] == 0.98 and isinstance(overhead["met"], bool)
-    assert set(saved["variants"]) == {"bare", "ours"}
+    assert set(saved["variants"]) == {"bare", "ours", "ours_restart"}
     assert saved["variants"]["ours"]["startup_s"]["median"] > 0
+    assert saved["variants"]["ours_restart"]["restart_s"]["median"] > 0
     table = (tmp_path / "suite.md").read_text()
     assert "| (a) overhead: ours / bare process |" in table and "| ours |" in table
     assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
