@@ -5,7 +5,7 @@
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
 Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, ours-restart with and
-without the cache, ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, data), so load drift on a shared
+without the cache, ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, fsdp-2, data), so load drift on a shared
 machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
@@ -15,6 +15,7 @@ Nothing here asserts anything about time. Measurements (targets from the benchma
     vs_ray_jax ours / Ray's ray.train.v2.jax.JaxTrainer + Ray's iter_jax_batches + hand-written step >= 1.0
                (and like for like: that hand-written step on our JaxTrainer + our iter_jax_batches / Ray's)
     scaling    2 workers / 1 worker, 1 CPU each (cpu_affinity=True), same batch per worker          >= 1.8
+    sharding   the 2 workers with the state split (fsdp=2) / replicated (dp=2): tokens/s and state MB per device
     input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
     startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
     restart    a SIGKILLed worker -> the restarted group's first finished step, without / with the cache
@@ -44,7 +45,7 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_devices", "torch",
-            "ray_jax", "ours_step", "scale1", "scale2", "data")
+            "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -117,13 +118,13 @@ def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
-          cache_dir: str = None, cpu_devices: int = 1) -> Dict[str, float]:
+          cache_dir: str = None, cpu_devices: int = 1, mesh: Dict[str, int] = None) -> Dict[str, float]:
     from ray.train import ScalingConfig
 
     import ray_jax_train as rjt
 
     timing_dir = ctx.timing_dir(name)
-    arguments = dict(V.lm_arguments(ctx.size, steps, ctx.log_every, workers), num_cpu_devices=cpu_devices)
+    arguments = dict(V.lm_arguments(ctx.size, steps, ctx.log_every, workers), num_cpu_devices=cpu_devices, mesh=mesh)
     config = {"arguments": arguments,
               "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir}
     trainer = rjt.JaxTrainer(
@@ -133,7 +134,7 @@ def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bo
         run_config=_run_config(ctx, name), datasets={"train": ctx.dataset})
     t0 = _fit(trainer)
     timing = _read(timing_dir)
-    out = {"startup_s": timing["first_step_time"] - t0}
+    out = {"startup_s": timing["first_step_time"] - t0, "state_mb_per_device": timing["state_mb_per_device"]}
     if steps > ctx.warmup:
         out["tokens_per_s"] = ctx.throughput(timing, workers)
     return out
@@ -198,6 +199,15 @@ def run_scale(workers: int) -> Callable:
     return run
 
 
+def run_fsdp2(ctx: Context, rnd: int) -> Dict[str, float]:
+    """`scale2` with the train state split over the 2 workers (mesh {"fsdp": 2}) instead of replicated (dp=2).
+
+    Same global batch and cores; XLA gathers each weight before use and reduce-scatters its gradient across the
+    two processes (gloo), in place of one gradient all-reduce. What it buys is the state bytes per device.
+    """
+    return _ours(ctx, "fsdp2", steps=ctx.steps, workers=2, affinity=True, mesh={"fsdp": -1})
+
+
 def run_torch(ctx: Context, rnd: int) -> Dict[str, float]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -259,7 +269,8 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_devices": run_ours_devices, "torch": run_torch,
-           "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "data": run_data}
+           "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "fsdp2": run_fsdp2,
+           "data": run_data}
 
 
 # -- summary -------------------------------------------------------------------------------------------------
@@ -286,6 +297,9 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
         "scaling": _ratio(rounds, "scale2", "scale1"),
+        # Sharding: FSDP's speed and state bytes per device against data parallelism on the same 2 workers.
+        "fsdp_over_dp": _ratio(rounds, "fsdp2", "scale2"),
+        "fsdp_state_over_dp": _ratio(rounds, "fsdp2", "scale2", "state_mb_per_device"),
         "input": _ratio(rounds, "data", "ours"),
         # Start-up: > 1 means ours reaches its first finished step sooner.
         "startup_torch_over_ours_cold": _ratio(rounds, "torch", "ours", "startup_s"),
@@ -305,7 +319,7 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
 def variant_stats(rounds: List[Dict]) -> Dict[str, Dict]:
     out = {}
     for name in VARIANTS:
-        for key in ("tokens_per_s", "startup_s", "restart_s"):
+        for key in ("tokens_per_s", "startup_s", "restart_s", "state_mb_per_device"):
             values = [r[name][key] for r in rounds if name in r and key in r[name]]
             if values:
                 out.setdefault(name, {})[key] = _stats(values)
@@ -321,6 +335,8 @@ LABELS = {
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
     "scaling": "(d) scaling: 2 workers / 1 (affinity)",
+    "fsdp_over_dp": "(i) sharding: 2 workers, fsdp=2 / dp=2, tokens/s",
+    "fsdp_state_over_dp": "(i) sharding: 2 workers, fsdp=2 / dp=2, train state bytes per device",
     "input": "(e) input pipeline / step consumption",
     "startup_torch_over_ours_cold": "(f) start-up: torch / ours, cold cache",
     "startup_torch_over_ours_warm": "(f) start-up: torch / ours, warm cache",
@@ -342,12 +358,13 @@ def markdown(report: Dict[str, Any]) -> str:
         met = ("yes" if s["met"] else "**no**") if "met" in s else "—"
         lines.append(f"| {LABELS.get(name, name)} | {_fmt(s)} | {target} | {met} |")
     lines += ["", "| variant | tokens/s median [min–max] | fit() → first step, s | kill → first step after the "
-              "restart, s |", "| --- | --- | --- | --- |"]
+              "restart, s | train state, MB per device |", "| --- | --- | --- | --- | --- |"]
     for name, s in report["variants"].items():
         tps = _fmt(s["tokens_per_s"], 0) if "tokens_per_s" in s else "—"
         start = _fmt(s["startup_s"], 1) if "startup_s" in s else "—"
         restart = _fmt(s["restart_s"], 1) if "restart_s" in s else "—"
-        lines.append(f"| {name} | {tps} | {start} | {restart} |")
+        state = f"{s['state_mb_per_device']['median']:.1f}" if "state_mb_per_device" in s else "—"
+        lines.append(f"| {name} | {tps} | {start} | {restart} | {state} |")
     ckpt = report.get("checkpoint")
     if ckpt:
         lines += ["", f"Checkpoint cost (benchmarks/checkpoint_cost.py, {ckpt.get('workload', 'mlp')} workload, "

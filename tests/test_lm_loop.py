@@ -164,6 +164,10 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
 
     initial = dict(np.load(record / "initial_params.npz"))
     final = dict(np.load(record / "final_params.npz"))
+    # fsdp=2: each device holds half of the params and of AdamW's two moments (norms and counters are tiny).
+    replicated = 3 * sum(x.nbytes for x in initial.values())
+    for first_step in first_steps.values():
+        assert 0.49 < first_step["state_mb_per_device"] * 2**20 / replicated < 0.55, first_step
     # Each step's global batch as last trained on: the restart overwrote the steps it repeated.
     per_step = [dict(np.load(record / f"batch_{i:06d}.npz")) for i in range(1, steps + 1)]
     batches = {k: np.stack([b[k] for b in per_step]) for k in per_step[0]}

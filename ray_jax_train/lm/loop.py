@@ -139,7 +139,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 jax.block_until_ready(metrics)
                 throughput.start()
                 compiled = True
-                _log_first_step(step, time.perf_counter() - started, recorder)
+                _log_first_step(step, time.perf_counter() - started, recorder, state)
             progress.update(1)
             due_log = step % args.log_steps == 0 or step == total_steps
             due_eval = config.get("has_eval") and (
@@ -221,14 +221,18 @@ def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) ->
     return join
 
 
-def _log_first_step(step: int, seconds: float, recorder: "_Recorder") -> None:
-    """Say how long start-up took and whether the compiled programs came from the persistent cache (restarts)."""
+def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> None:
+    """Say how long start-up took, whether the compiled programs came from the persistent cache (restarts), and
+    how much of the train state each device holds (what FSDP and tensor parallelism are meant to cut)."""
     from ray_jax_train.backend import compilation_cache_hits
+    from ray_jax_train.sharding import bytes_per_device
 
     hits = compilation_cache_hits()
-    logger.info("Step %d done %.1f s after the loop started; %d programs loaded from the compilation cache.",
-                step, seconds, hits)
-    recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits})
+    state_mb = max(bytes_per_device(state).values(), default=0) / 2**20
+    logger.info("Step %d done %.1f s after the loop started; %d programs loaded from the compilation cache; the "
+                "train state takes %.1f MB per device.", step, seconds, hits, state_mb)
+    recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits,
+                                             "state_mb_per_device": state_mb})
 
 
 def _with_mesh(mesh, fn):
