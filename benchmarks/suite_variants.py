@@ -117,8 +117,8 @@ def ours_loop(config: Dict[str, Any]) -> None:
 
     `ray.train.report` is called right after each log step's host sync, and `Throughput.start` right after the
     first (compiling) step has finished; both are looked up at call time, so wrapping them here times the real
-    loop without touching it. The first step's log hook also gets the train state, whose bytes on the fullest
-    device are recorded (what FSDP cuts).
+    loop without touching it. The first record also says how many MB of the train state the fullest device
+    holds (what FSDP cuts).
     """
     import jax
     import ray.train
@@ -129,10 +129,12 @@ def ours_loop(config: Dict[str, Any]) -> None:
     log_times: List[Tuple[int, float]] = []
     first: List[float] = []
     state_mb: List[float] = []
-    report, start, log_first = ray.train.report, Throughput.start, lm_loop._log_first_step
+    report, start = ray.train.report, Throughput.start
 
     def timed_report(metrics, *a, **kw):
         log_times.append((int(metrics["step"]), time.time()))
+        if "state_mb_per_device" in metrics:  # the first record's start-up facts
+            state_mb.append(metrics["state_mb_per_device"])
         return report(metrics, *a, **kw)
 
     def timed_start(self):
@@ -140,17 +142,11 @@ def ours_loop(config: Dict[str, Any]) -> None:
             first.append(time.time())
         return start(self)
 
-    def measured_first_step(step, seconds, recorder, state):
-        from ray_jax_train.sharding import bytes_per_device
-
-        state_mb.append(max(bytes_per_device(state).values()) / 2**20)
-        return log_first(step, seconds, recorder, state)
-
-    ray.train.report, Throughput.start, lm_loop._log_first_step = timed_report, timed_start, measured_first_step
+    ray.train.report, Throughput.start = timed_report, timed_start
     try:
         lm_loop.train_loop_per_worker({k: v for k, v in config.items() if k != "timing_dir"})
     finally:
-        ray.train.report, Throughput.start, lm_loop._log_first_step = report, start, log_first
+        ray.train.report, Throughput.start = report, start
     if jax.process_index() == 0:
         _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first[0],
                                                      "state_mb_per_device": state_mb[0]})

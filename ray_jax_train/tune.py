@@ -142,12 +142,14 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
     base_data["tune"] = None
 
-    shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    # One compilation cache for all trials (the driver's JAX_COMPILATION_CACHE_DIR, or one in the search's
+    # directory), not one per trial run: trials of one model share the programs the searched values do not
+    # change (the state's init, the eval step, and the train step when no optimizer setting is searched).
+    shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(storage, name, "compilation_cache")
 
     def trial(trial_space: Dict[str, Any]) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
-        if shared_cache:  # the driver's choice; a trial actor has the cluster's environment
-            os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
         context = tune.get_context()
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",

@@ -35,7 +35,8 @@ def test_fractional_gpus_turn_off_preallocation():
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     from ray_jax_train.tune import restore_best
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Without the test session's JAX_COMPILATION_CACHE_DIR: the search's own default cache is under test.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "JAX_COMPILATION_CACHE_DIR")}
     done = subprocess.run(
         [sys.executable, "-m", "ray_jax_train", "tune", os.path.join(REPO, "examples", "tune_tiny_llama.yaml"),
          "--set", f"run.storage_path={tmp_path}", "--set", "data.max_docs=30", "--address", "local"],
@@ -44,11 +45,16 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert "=== ray-jax-train: search done ===" in done.stdout and "trials:      4 (0 failed" in done.stdout
 
     experiment = tmp_path / "tune-tiny-llama"
-    last_steps = {}
+    last_steps, cache_hits = {}, []
     for result in glob.glob(str(experiment / "trial_*" / "result.json")):
         lines = [json.loads(line) for line in open(result) if line.strip()]
         last_steps[lines[-1]["config"]["training"]["learning_rate"]] = lines[-1]["step"]
+        cache_hits.append(lines[0]["compilation_cache_hits"])  # the first record carries the start-up facts
     assert len(last_steps) == 4
+    # The trials share one compilation cache in the search's directory: the two that start after the first pair
+    # load the programs a learning rate does not change (the state's init at least) instead of compiling them.
+    assert any((experiment / "compilation_cache").iterdir())
+    assert sorted(cache_hits)[-2] >= 1, cache_hits
     assert max(last_steps.values()) == 4, last_steps  # the best trained to the end ...
     assert min(last_steps.values()) < 4, last_steps  # ... and ASHA stopped at least one trial early
 

@@ -124,6 +124,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     last: Dict[str, float] = {}
     epoch, skip = int(data_pos["epoch"]), int(data_pos["batch"])
     compiled = False
+    startup: Dict[str, float] = {}  # goes into the first logged record only
     while step < total_steps:
         seen = skip
         batches = first_epoch() if first_epoch is not None else open_epoch(epoch, skip)
@@ -139,13 +140,14 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 jax.block_until_ready(metrics)
                 throughput.start()
                 compiled = True
-                _log_first_step(step, time.perf_counter() - started, recorder, state)
+                startup = _log_first_step(step, time.perf_counter() - started, recorder, state)
             progress.update(1)
             due_log = step % args.log_steps == 0 or step == total_steps
             due_eval = config.get("has_eval") and (
                 (args.eval_steps and step % args.eval_steps == 0) or step == total_steps)
             if due_log or due_eval:
-                record = {"step": step, "epoch": epoch}
+                record = {"step": step, "epoch": epoch, **startup}
+                startup = {}
                 if pending:
                     record.update(_summarise(pending), learning_rate=float(schedule(step - 1)))
                     record.update(throughput.read())
@@ -221,9 +223,10 @@ def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) ->
     return join
 
 
-def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> None:
-    """Say how long start-up took, whether the compiled programs came from the persistent cache (restarts), and
-    how much of the train state each device holds (what FSDP and tensor parallelism are meant to cut)."""
+def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> Dict[str, float]:
+    """Say how long start-up took, whether the compiled programs came from the persistent cache (restarts, Tune
+    trials), and how much of the train state each device holds (what FSDP and tensor parallelism are meant to
+    cut). Returns the same facts for the first metrics record."""
     from ray_jax_train.backend import compilation_cache_hits
     from ray_jax_train.sharding import bytes_per_device
 
@@ -233,6 +236,7 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
                 "train state takes %.1f MB per device.", step, seconds, hits, state_mb)
     recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits,
                                              "state_mb_per_device": state_mb})
+    return {"startup_s": seconds, "compilation_cache_hits": hits, "state_mb_per_device": state_mb}
 
 
 def _with_mesh(mesh, fn):
