@@ -5,7 +5,7 @@
 
 One XLA CPU device runs a step's elementwise fusions on one thread; this measures what a device per core
 (`JaxConfig(num_cpu_devices=N)` in a worker) gains. Each count runs in its own process (the device count is
-fixed when JAX starts), interleaved over rounds. Each `--xla-flags=...` (repeatable) adds an `XLA_FLAGS` setting
+fixed when JAX starts), interleaved over rounds, the order reversed every other round. Each `--xla-flags=...` (repeatable) adds an `XLA_FLAGS` setting
 to compare with the default the same way: every device count runs with the default and with every setting. Prints tokens/s per round and writes nothing else.
 """
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main(argv=None):
     variants = [(n, flags) for flags in [""] + args.xla_flags for n in args.devices]
     results = {variant: [] for variant in variants}
     for rnd in range(args.rounds):
-        for n, flags in variants:
+        # A B, then B A: whatever runs first in a round (a cooler or busier machine) favours neither setting.
+        for n, flags in (variants if rnd % 2 == 0 else variants[::-1]):
             all_flags = " ".join([os.environ.get("XLA_FLAGS", ""), flags, f"--xla_force_host_platform_device_count={n}"])
             env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
                        XLA_FLAGS=all_flags.strip())
