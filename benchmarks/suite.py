@@ -4,9 +4,9 @@
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
-Each round runs every variant once, in the same order (bare, in-worker, ours, ours-warm-cache, ours-restart with and
-without the cache, ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, fsdp-2, data), so load drift on a shared
-machine hits all of them alike; the figures are per-round ratios,
+Each round runs every variant once (bare, in-worker, ours, ours-warm-cache, ours-restart with and without the cache,
+ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, fsdp-2, data; reversed on odd rounds), so load drift on a
+shared machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
 
@@ -430,6 +430,21 @@ def settle(max_wait_s: float = 30.0, busy_below: float = 0.15) -> None:
         pass
 
 
+# A variant that needs another to have run just before it in the same round (it reads that one's cache).
+FOLLOWS = {"ours_warm": "ours"}
+
+
+def round_order(variants: List[str], rnd: int) -> List[str]:
+    """The variants in order on even rounds and reversed on odd ones (A B, B A), so whichever runs first in a
+    round, on a machine still busy from the one before, favours no variant; `FOLLOWS` pairs stay in order."""
+    order = list(variants) if rnd % 2 == 0 else list(variants)[::-1]
+    for later, earlier in FOLLOWS.items():
+        if later in order and earlier in order:
+            order.remove(later)
+            order.insert(order.index(earlier) + 1, later)
+    return order
+
+
 def _register_by_value() -> None:
     """Ship the worker loops by value: workers need not have benchmarks/ on their path (e.g. the test cluster)."""
     import ray.cloudpickle
@@ -500,7 +515,7 @@ def main(argv=None) -> Dict[str, Any]:
         rounds: List[Dict[str, Any]] = []
         for rnd in range(args.rounds):
             results: Dict[str, Any] = {}
-            for name in args.variants:
+            for name in round_order(args.variants, rnd):
                 if not args.smoke:
                     settle()
                 t = time.time()
