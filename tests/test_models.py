@@ -200,6 +200,25 @@ def test_remat_and_bf16(hf_dirs):
     assert rel_err(out, hf_logits(hf_model, np.array(ids))) < 0.05  # same weights up to bf16 rounding
 
 
+def test_scan_layers_matches_the_layer_loop(hf_dirs):
+    """scan_layers=True: the same per-layer parameters, HF's logits, the loop's gradients, one layer's code."""
+    hf_model, d = hf_dirs["llama"]
+    looped, scanned = from_pretrained(d), from_pretrained(d, scan_layers=True)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 128, size=(2, 8)))
+    assert rel_err(forward(scanned, ids), hf_logits(hf_model, np.array(ids))) < 1e-5
+
+    def loss(m):
+        return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+
+    g1, g2 = nnx.jit(lambda a, b: (nnx.grad(loss)(a), nnx.grad(loss)(b)))(looped, scanned)
+    for (p1, a), (p2, b) in zip(nnx.to_flat_state(g1), nnx.to_flat_state(g2)):
+        assert p1 == p2
+        np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), rtol=1e-5, atol=1e-7)
+    # The 2 layers' 7 projections appear once in the scanned program, once per layer in the loop's (+ lm_head).
+    dots = [nnx.jit(lambda m: m(ids)).lower(m).as_text().count("dot_general") for m in (looped, scanned)]
+    assert dots[0] > dots[1], dots
+
+
 def test_param_paths_are_hf_like_2d_kernels():
     cfg = LlamaConfig(**TINY, attention_bias=True)
     model = create_model(cfg, lazy=True)
@@ -250,12 +269,15 @@ def test_from_pretrained_errors(tmp_path, hf_dirs):
 
 
 def test_create_model_initialises_from_seed():
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, initializer_range=0.1, seed=5)
     m1, m2 = create_model(cfg), create_model(cfg)
     k1 = np.asarray(m1.layers[0].mlp.up_proj.kernel.get_value())
     np.testing.assert_array_equal(k1, np.asarray(m2.layers[0].mlp.up_proj.kernel.get_value()))
     assert abs(k1.std() - 0.1) < 0.02
+    # The layers are drawn together (one vmapped draw) but each gets its own values.
+    k2 = np.asarray(m1.layers[1].mlp.up_proj.kernel.get_value())
+    assert k2.shape == k1.shape and abs(k2.std() - 0.1) < 0.02 and np.abs(k1 - k2).max() > 0.1
     np.testing.assert_array_equal(np.asarray(m1.norm.weight.get_value()), np.ones(32, np.float32))
     out = forward(m1, jnp.zeros((1, 4), jnp.int32))
     assert out.shape == (1, 4, 64) and np.isfinite(np.asarray(out)).all()

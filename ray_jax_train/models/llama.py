@@ -8,7 +8,7 @@ can be written as regexes over these paths.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +196,24 @@ class DecoderLayer(nnx.Module):
         return constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
 
 
+def _init_layers(config: LlamaConfig, rngs: nnx.Rngs) -> List[DecoderLayer]:
+    """The decoder layers, drawn by one constructor vmapped over a layer axis and then split per layer.
+
+    One random draw per kind of weight (with a leading layer axis) instead of one per weight per layer keeps the
+    init program's compile time from growing with depth (benchmarks/compile_time.py), while the parameters keep
+    their per-layer names and shapes. Eagerly (outside jit) the stacked draw briefly doubles the layers' memory.
+    """
+    n = config.num_hidden_layers
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=layer_rngs)
+
+    graphdef, stacked = nnx.split(make(rngs))
+    return [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(n)]
+
+
 # The residual stream [batch, seq, hidden]: batch over dp/fsdp, sequence over sp, hidden whole.
 _RESIDUAL = ("batch", "seq", None)
 
@@ -227,7 +245,7 @@ class LlamaForCausalLM(nnx.Module):
             config.vocab_size, config.hidden_size,
             embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs, **kw,
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List(_init_layers(config, rngs))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         if not config.tie_word_embeddings:
             self.lm_head = _dense(config, config.hidden_size, config.vocab_size, False, rngs)
@@ -254,14 +272,34 @@ class LlamaForCausalLM(nnx.Module):
         # gather the whole batch next to an FSDP-sharded weight instead of gathering the (smaller) weight.
         x = constrain(self._embed(input_ids).astype(cfg.jnp_dtype), _RESIDUAL)
         run = _run_layer_remat if cfg.remat else _run_layer
-        for layer in self.layers:
-            x = run(layer, x, cos, sin, mask)
+        if cfg.scan_layers:
+            x = _scan_layers(self.layers, run, x, cos, sin, mask)
+        else:
+            for layer in self.layers:
+                x = run(layer, x, cos, sin, mask)
         x = self.norm(x)
         if cfg.tie_word_embeddings:
             logits = _embed_attend(self.embed_tokens, x)
         else:
             logits = self.lm_head(x)
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def _scan_layers(layers, run, x, cos, sin, mask):
+    """The layers as one `lax.scan` over their weights, stacked on a leading axis for this call.
+
+    The step then holds one layer's code instead of one copy per layer, so its compile time stops growing with
+    depth. The parameters stay per layer (names, checkpoints, sharding rules and HF import are unchanged): the
+    price is a copy of the layers' weights into the stack, and of their gradients back, at each call.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+
+    def body(h, layer_state):
+        return run(nnx.merge(graphdef, layer_state), h, cos, sin, mask), None
+
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x
 
 
 def _embed_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
