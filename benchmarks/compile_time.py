@@ -8,7 +8,6 @@ reversed every other round. Variants:
     vmapped  the library: the decoder layers are drawn by one vmapped constructor (one random draw per weight
              kind, with a leading layer axis), then split into the usual per-layer parameters
     looped   the baseline: each layer drawn by its own constructor (one draw per weight per layer), as before
-    scan     vmapped, with `LlamaConfig(scan_layers=True)`: the train step runs the layers as one lax.scan
 Prints seconds per round and a JSON summary; writes nothing else.
 """
 from __future__ import annotations
@@ -22,7 +21,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("vmapped", "looped", "scan")
+VARIANTS = ("vmapped", "looped")
 
 
 def measure(layers: int, variant: str) -> dict:
@@ -44,7 +43,7 @@ def measure(layers: int, variant: str) -> dict:
         llama._init_layers = lambda config, rngs: [llama.DecoderLayer(config, rngs=rngs)
                                                    for _ in range(config.num_hidden_layers)]
     size = dict(suite.FULL, layers=layers)
-    config = LlamaConfig(**V.model_dict(size), scan_layers=variant == "scan")
+    config = LlamaConfig(**V.model_dict(size))
     optimizer, _ = make_optimizer(TrainingArguments(**V.lm_arguments(size, 8, 4)), 8)
     init = state_lib.new_model_state(config, lambda params, step: new_state(params, optimizer, step))
 

@@ -139,10 +139,6 @@ class LlamaConfig(_Base):
     dtype: DType = "float32"
     param_dtype: ParamDType = "float32"
     remat: bool = False
-    # Run the decoder layers as one lax.scan over their stacked weights: the train step compiles one layer's code
-    # instead of one per layer (deep models compile in a fraction of the time), for a copy of the layers' weights
-    # and gradients each step. Parameters, checkpoints and HF weights are the same either way.
-    scan_layers: bool = False
     seed: int = 0
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, list[int]]] = None

@@ -272,34 +272,14 @@ class LlamaForCausalLM(nnx.Module):
         # gather the whole batch next to an FSDP-sharded weight instead of gathering the (smaller) weight.
         x = constrain(self._embed(input_ids).astype(cfg.jnp_dtype), _RESIDUAL)
         run = _run_layer_remat if cfg.remat else _run_layer
-        if cfg.scan_layers:
-            x = _scan_layers(self.layers, run, x, cos, sin, mask)
-        else:
-            for layer in self.layers:
-                x = run(layer, x, cos, sin, mask)
+        for layer in self.layers:
+            x = run(layer, x, cos, sin, mask)
         x = self.norm(x)
         if cfg.tie_word_embeddings:
             logits = _embed_attend(self.embed_tokens, x)
         else:
             logits = self.lm_head(x)
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
-
-
-def _scan_layers(layers, run, x, cos, sin, mask):
-    """The layers as one `lax.scan` over their weights, stacked on a leading axis for this call.
-
-    The step then holds one layer's code instead of one copy per layer, so its compile time stops growing with
-    depth. The parameters stay per layer (names, checkpoints, sharding rules and HF import are unchanged): the
-    price is a copy of the layers' weights into the stack, and of their gradients back, at each call.
-    """
-    graphdef = nnx.graphdef(layers[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
-
-    def body(h, layer_state):
-        return run(nnx.merge(graphdef, layer_state), h, cos, sin, mask), None
-
-    x, _ = jax.lax.scan(body, x, stacked)
-    return x
 
 
 def _embed_lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
