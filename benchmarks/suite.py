@@ -200,7 +200,7 @@ def run_scale(workers: int) -> Callable:
 
 
 def run_fsdp2(ctx: Context, rnd: int) -> Dict[str, float]:
-    """`scale2` with the train state split over the 2 workers (mesh {"fsdp": 2}) instead of replicated (dp=2).
+    """`scale2` with the train state split over the 2 workers (mesh {"fsdp": -1}, so fsdp=2) instead of replicated.
 
     Same global batch and cores; XLA gathers each weight before use and reduce-scatters its gradient across the
     two processes (gloo), in place of one gradient all-reduce. What it buys is the state bytes per device.

@@ -145,7 +145,9 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     # One compilation cache for all trials (the driver's JAX_COMPILATION_CACHE_DIR, or one in the search's
     # directory), not one per trial run: trials of one model share the programs the searched values do not
     # change (the state's init, the eval step, and the train step when no optimizer setting is searched).
-    shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(storage, name, "compilation_cache")
+    # Absolute: a trial runs in its own working directory.
+    shared_cache = os.path.abspath(os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                                   or os.path.join(storage, name, "compilation_cache"))
 
     def trial(trial_space: Dict[str, Any]) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.

@@ -261,7 +261,7 @@ def test_create_model_initialises_from_seed():
     k1 = np.asarray(m1.layers[0].mlp.up_proj.kernel.get_value())
     np.testing.assert_array_equal(k1, np.asarray(m2.layers[0].mlp.up_proj.kernel.get_value()))
     assert abs(k1.std() - 0.1) < 0.02
-    # The layers are drawn together (one vmapped draw) but each gets its own values.
+    # Each layer gets its own values.
     k2 = np.asarray(m1.layers[1].mlp.up_proj.kernel.get_value())
     assert k2.shape == k1.shape and abs(k2.std() - 0.1) < 0.02 and np.abs(k1 - k2).max() > 0.1
     np.testing.assert_array_equal(np.asarray(m1.norm.weight.get_value()), np.ones(32, np.float32))

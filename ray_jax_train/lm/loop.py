@@ -27,6 +27,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+# Facts about start-up that only the first logged record of an attempt carries.
+STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "state_mb_per_device")
 
 
 def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], columns: List[str], has_eval: bool,
@@ -155,7 +157,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 if due_eval:
                     record.update(evaluate())
                     throughput.start()  # eval time is not training throughput
-                last = record
+                last = {k: v for k, v in record.items() if k not in STARTUP_KEYS}  # re-sent with checkpoints
                 progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
                 if rank0:
                     _append_jsonl(run_dir, record)
@@ -236,7 +238,7 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
                 "train state takes %.1f MB per device.", step, seconds, hits, state_mb)
     recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits,
                                              "state_mb_per_device": state_mb})
-    return {"startup_s": seconds, "compilation_cache_hits": hits, "state_mb_per_device": state_mb}
+    return dict(zip(STARTUP_KEYS, (seconds, hits, state_mb)))
 
 
 def _with_mesh(mesh, fn):

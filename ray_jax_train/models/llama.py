@@ -197,21 +197,13 @@ class DecoderLayer(nnx.Module):
 
 
 def _init_layers(config: LlamaConfig, rngs: nnx.Rngs) -> List[DecoderLayer]:
-    """The decoder layers, drawn by one constructor vmapped over a layer axis and then split per layer.
+    """The decoder layers, each drawn by its own constructor.
 
-    One random draw per kind of weight (with a leading layer axis) instead of one per weight per layer keeps the
-    init program's compile time from growing with depth (benchmarks/compile_time.py), while the parameters keep
-    their per-layer names and shapes. Eagerly (outside jit) the stacked draw briefly doubles the layers' memory.
+    Drawing them all at once (one constructor vmapped over a layer axis) compiles the init program 2x faster at
+    16 layers on CPU but holds the stacked draw next to its per-layer slices: +2x the layers' bytes per device at
+    init under FSDP (benchmarks/compile_time.py, benchmarks/README "(f)"). Peak memory wins.
     """
-    n = config.num_hidden_layers
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(layer_rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(config, rngs=layer_rngs)
-
-    graphdef, stacked = nnx.split(make(rngs))
-    return [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked)) for i in range(n)]
+    return [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
 
 
 # The residual stream [batch, seq, hidden]: batch over dp/fsdp, sequence over sp, hidden whole.
