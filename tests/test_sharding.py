@@ -220,6 +220,38 @@ def test_rules_on_nnx_state_and_abstract_shapes_give_named_shardings():
     assert specs_by_path(state, mesh, combined)["lm_head/kernel"] == P()
 
 
+def test_new_model_init_by_parts_equals_one_program(monkeypatch):
+    """The scratch init builds the model part by part (all layers sharing one program) straight into FSDP x TP
+    shardings, with the same values as one program over the whole model, and traces the layer constructor once."""
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.models import llama
+
+    mesh = make_mesh({"fsdp": 2, "tp": 2})
+    real_parts = llama.init_parts
+    traced = []
+
+    def counting_parts(config):
+        parts, wrapped = real_parts(config), {}
+        for _, make in parts:
+            wrapped.setdefault(make, lambda rngs, make=make: traced.append(make.__name__) or make(rngs))
+        return [(path, wrapped[make]) for path, make in parts]
+
+    monkeypatch.setattr(state_lib, "init_parts", counting_parts)
+    cfg = tiny_config(num_hidden_layers=3)  # untied: the head draws after the layers
+    params = state_lib.init_params(cfg, mesh)
+    assert sorted(traced) == ["embed", "layer", "lm_head", "norm"]
+    whole = lambda: state_lib.split_model(llama.LlamaForCausalLM(cfg))[1]  # noqa: E731
+    expected = jax.jit(whole, out_shardings=state_lib.state_shardings(jax.eval_shape(whole), mesh))()
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+        assert got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    kernel = params["layers"][2]["mlp"]["up_proj"]["kernel"]
+    assert kernel.sharding.spec == P("fsdp", "tp") and kernel.addressable_shards[0].data.shape[0] * 2 == kernel.shape[0]
+    # The layers differ: the stream's count moved on from program to program.
+    assert np.abs(np.asarray(params["layers"][0]["mlp"]["up_proj"]["kernel"]) - np.asarray(kernel)).max() > 0.01
+
+
 def test_absent_and_size_one_axes():
     _, params = init_params(tiny_config())
     dp_only = specs_by_path(params, jax.sharding.AbstractMesh((4,), ("dp",)))

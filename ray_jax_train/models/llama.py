@@ -8,7 +8,7 @@ can be written as regexes over these paths.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ __all__ = [
     "count_params",
     "create_model",
     "flops_per_token",
+    "init_parts",
     "make_attention_mask",
     "num_params",
     "positions_from_mask",
@@ -196,14 +197,35 @@ class DecoderLayer(nnx.Module):
         return constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
 
 
-def _init_layers(config: LlamaConfig, rngs: nnx.Rngs) -> List[DecoderLayer]:
-    """The decoder layers, each drawn by its own constructor.
+def init_parts(config: LlamaConfig) -> List[Tuple[Tuple[Any, ...], Callable[[nnx.Rngs], nnx.Module]]]:
+    """The model's constructor cut into parts: (path in the params, ``make(rngs) -> module``), in draw order.
 
-    Drawing them all at once (one constructor vmapped over a layer axis) compiles the init program 2x faster at
-    16 layers on CPU but holds the stacked draw next to its per-layer slices: +2x the layers' bytes per device at
-    init under FSDP (benchmarks/compile_time.py, benchmarks/README "(f)"). Peak memory wins.
+    ``LlamaForCausalLM.__init__`` builds exactly these, in this order, from one rng stream. So a caller may build
+    each part in a program of its own, threading the stream's count from one to the next, and get the same
+    values; every decoder layer shares one ``make``, so such a caller compiles one init program for all layers
+    (``ray_jax_train.lm.state.init_params``).
     """
-    return [DecoderLayer(config, rngs=rngs) for _ in range(config.num_hidden_layers)]
+    kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype)
+
+    def embed(rngs: nnx.Rngs) -> nnx.Embed:
+        return nnx.Embed(config.vocab_size, config.hidden_size,
+                         embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs, **kw)
+
+    def layer(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=rngs)
+
+    def norm(rngs: nnx.Rngs) -> RMSNorm:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def lm_head(rngs: nnx.Rngs) -> nnx.Linear:
+        return _dense(config, config.hidden_size, config.vocab_size, False, rngs)
+
+    parts = [(("embed_tokens",), embed)]
+    parts += [(("layers", i), layer) for i in range(config.num_hidden_layers)]
+    parts.append((("norm",), norm))
+    if not config.tie_word_embeddings:
+        parts.append((("lm_head",), lm_head))
+    return parts
 
 
 # The residual stream [batch, seq, hidden]: batch over dp/fsdp, sequence over sp, hidden whole.
@@ -232,15 +254,12 @@ class LlamaForCausalLM(nnx.Module):
         if rngs is None:
             rngs = nnx.Rngs(config.seed)
         self.config = config
-        kw = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype)
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size,
-            embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs, **kw,
-        )
-        self.layers = nnx.List(_init_layers(config, rngs))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        built = {path: make(rngs) for path, make in init_parts(config)}
+        self.embed_tokens = built[("embed_tokens",)]
+        self.layers = nnx.List([built[("layers", i)] for i in range(config.num_hidden_layers)])
+        self.norm = built[("norm",)]
         if not config.tie_word_embeddings:
-            self.lm_head = _dense(config, config.hidden_size, config.vocab_size, False, rngs)
+            self.lm_head = built[("lm_head",)]
 
     def _embed(self, input_ids: jax.Array) -> jax.Array:
         return _embed_lookup(self.embed_tokens, input_ids)
