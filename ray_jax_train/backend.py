@@ -288,6 +288,7 @@ class _WorkerState:
 
     config: Optional[JaxConfig] = None
     cache_hits: int = 0
+    cache_misses: int = 0
     counting_cache_hits: bool = False
 
 
@@ -302,6 +303,8 @@ def _count_cache_hits() -> None:
     def on_event(event: str, **_):
         if event == "/jax/compilation_cache/cache_hits":
             _state.cache_hits += 1
+        elif event == "/jax/compilation_cache/cache_misses":  # compiled, then written to the cache
+            _state.cache_misses += 1
 
     jax.monitoring.register_event_listener(on_event)
     _state.counting_cache_hits = True
@@ -313,6 +316,15 @@ def compilation_cache_hits() -> int:
     After a restart it tells whether the cache in the run's storage was used (0 outside a JaxTrainer worker).
     """
     return _state.cache_hits
+
+
+def compilation_cache_misses() -> int:
+    """How many programs this worker process compiled and wrote to the persistent compilation cache.
+
+    Next to `compilation_cache_hits`, it tells what a start paid for: a restart, or a Tune trial after the first,
+    should compile (almost) nothing.
+    """
+    return _state.cache_misses
 
 
 def place_compilation_cache(config: JaxConfig, run_config) -> None:
