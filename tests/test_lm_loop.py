@@ -119,6 +119,28 @@ def test_schedule_warms_up_then_decays():
     assert float(linear(55)) == pytest.approx(0.55)
 
 
+@pytest.mark.parametrize("scheduler", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup,total", [(0, 50), (10, 50), (50, 50), (80, 50), (0, 1), (3, 1)])
+def test_schedule_equals_optax_schedules(scheduler, warmup, total):
+    """The schedule computed from the optimizer state's numbers equals optax's schedules, edge cases included."""
+    import optax
+
+    from ray_jax_train.lm.step import make_schedule
+
+    peak, end = 2e-3, 2e-4
+    args = TrainingArguments(learning_rate=peak, min_learning_rate_ratio=0.1, warmup_steps=warmup, scheduler=scheduler)
+    w = min(warmup, total)
+    if scheduler == "cosine":
+        want = optax.warmup_cosine_decay_schedule(0.0, peak, w, max(total, w + 1), end)
+    else:
+        decay = (optax.linear_schedule(peak, end, max(total - w, 1)) if scheduler == "linear"
+                 else optax.constant_schedule(peak))
+        want = decay if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, peak, w), decay], [w])
+    got = make_schedule(args, total)
+    steps = sorted({0, 1, w - 1, w, w + 1, total // 2, total - 1, total, total + 5} - {-1})
+    np.testing.assert_allclose([float(got(s)) for s in steps], [float(want(s)) for s in steps], rtol=1e-5, atol=1e-9)
+
+
 def test_optimizer_numbers_are_state_so_runs_share_one_step_program():
     """Runs and Tune trials that differ only in optimizer numbers lower to the same train step (one compile, then
     cache hits), and the numbers in the state still act exactly like optax's AdamW with the same schedule."""
@@ -129,7 +151,7 @@ def test_optimizer_numbers_are_state_so_runs_share_one_step_program():
     rows = {k: jnp.asarray(v[:4]) for k, v in packed_rows(num_docs=20).items()}
     graphdef, params = split_model(create_model(CONFIG))
     base = TrainingArguments(total_steps=20, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2,
-                             warmup_steps=2, weight_decay=0.1, adam_epsilon=1e-4)  # eps: see above
+                             warmup_steps=2, weight_decay=0.1, adam_epsilon=1e-4)  # eps as in the accumulation test
     other = base.model_copy(update={"learning_rate": 3e-3, "warmup_steps": 5, "weight_decay": 0.0,
                                     "adam_beta2": 0.99, "max_grad_norm": 0.5, "min_learning_rate_ratio": 0.5})
 

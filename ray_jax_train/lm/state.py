@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ray_jax_train.config import LlamaConfig
+from ray_jax_train.lm.step import keep_hyperparameters
 from ray_jax_train.models import create_model
 from ray_jax_train.models.llama import init_parts
 
@@ -57,8 +58,8 @@ def shard_state(state, mesh):
 
 
 def new_model_state(config: LlamaConfig, new_state_fn):
-    """`() -> state` of a new model from `config`: params and optimizer state in one function, so one jit
-    builds both (and `eval_shape` describes both)."""
+    """`() -> state` of a new model from `config`, params and optimizer state in one function: what `eval_shape`
+    describes (`abstract_state`). The library builds the values part by part instead (`init_params`)."""
     return lambda: new_state_fn(split_model(create_model(config))[1], 0)
 
 
@@ -211,7 +212,7 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
         if given_def != jax.tree_util.tree_structure(state["opt_state"]):
             raise ValueError("The given state's opt_state does not match this optimizer's state structure (different "
                              "optimizer settings?). Pass only {'params': ...} to start a fresh optimizer.")
-        state["opt_state"] = shard_state(opt_state, mesh)
+        state["opt_state"] = keep_hyperparameters(shard_state(opt_state, mesh), state["opt_state"])
     return state
 
 

@@ -84,8 +84,8 @@ def make_optimizer(args: TrainingArguments, total_steps: int) -> Tuple[optax.Gra
 
 
 def keep_hyperparameters(restored_opt_state, current_opt_state):
-    """`restored_opt_state` with the hyperparameters of `current_opt_state`: a resumed run trains with its own
-    settings, as it did when they were compiled into the step, not with those its checkpoint was saved with."""
+    """`restored_opt_state` with the hyperparameters of `current_opt_state`: a resumed run, or one started from a
+    given state, trains with its own settings (those its schedule logs), not with those the state was saved with."""
     if hasattr(restored_opt_state, "hyperparams") and hasattr(current_opt_state, "hyperparams"):
         return restored_opt_state._replace(hyperparams=current_opt_state.hyperparams)
     return restored_opt_state
