@@ -1,6 +1,7 @@
 """Checkpoints on real Ray workers and real orbax on disk: exact resume through kills, elastic restore,
 corrupt-checkpoint fallback, retention, SIGTERM saves. Workers report back through files in tmp_path."""
 import json
+import shutil
 import os
 import re
 import sys
@@ -220,6 +221,20 @@ def test_two_workers_restore_onto_one(uninterrupted, tmp_path):
     assert result.metrics["step"] == TOTAL_STEPS + 10
 
 
+def test_two_workers_reject_a_checkpoint_whose_bytes_differ_from_its_checksums(uninterrupted, tmp_path):
+    """Each process sums its own shards and the shares meet in the key-value store: one changed recorded
+    value of a sharded array fails an explicit restore on both workers, naming that array."""
+    clean_result, _, _ = uninterrupted
+    copy = tmp_path / "tampered"
+    shutil.copytree(clean_result.checkpoint.path, copy)
+    recorded = json.loads((copy / "checksums.json").read_text())
+    kernel = 16  # leaf order: opt_state (count, mu, nu), params, rng; [16] is params[1]["w"], split over dp
+    recorded[kernel][1] = (recorded[kernel][1] + 1) % (1 << 32)
+    (copy / "checksums.json").write_text(json.dumps(recorded))
+    with pytest.raises(Exception, match=r"checksum mismatch in \['params'\]\[1\]\['w'\]\)"):
+        _fit(tmp_path, "tampered_run", {"restore_from": str(copy)})
+
+
 def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):
     # SIGTERM on rank 1 at step 13: a checkpoint is saved at the next check (off the save_every=10 grid),
     # then the worker exits and the group resumes from it.
@@ -272,3 +287,11 @@ def test_checksums_cover_every_dtype_and_catch_one_flipped_bit():
     after = checksums({**state, "w": jnp.asarray(flipped)})
     assert [name for name, b, a in zip(names, before, after) if a != b] == ["w"]
     assert checksums(state) == before  # deterministic
+
+    # Summed shard by shard (first replicas only), so the sharding does not change the values.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("a", "b"))
+    for spec in (P("a", "b"), P("a", None), P(None, None)):
+        placed = {**state, "w": jax.device_put(state["w"], NamedSharding(mesh, spec))}
+        assert checksums(placed) == before, spec

@@ -8,7 +8,7 @@ the training step's collectives.
 from __future__ import annotations
 
 import itertools
-from typing import List
+from typing import List, Optional
 
 _rounds = itertools.count()
 _TIMEOUT_MS = 10 * 60 * 1000
@@ -26,14 +26,18 @@ def process_count() -> int:
     return jax.process_count()
 
 
-def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> List[str]:
-    """Every process's `value`, in process order. Must be called by all processes in the same order."""
+def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional[str] = None) -> List[str]:
+    """Every process's `value`, in process order.
+
+    Without `key`, all processes must call it in the same order (the round number is the key). A `key`
+    unique to this exchange lets it run in any thread, in any order relative to other exchanges.
+    """
     if process_count() == 1:
         return [value]
     from jax._src import distributed
 
     client = distributed.global_state.client
-    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}"
+    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if key is None else f"ray_jax_train/ckpt/{key}"
     client.key_value_set(f"{key}/{process_index()}", value)
     return [client.blocking_key_value_get(f"{key}/{p}", timeout_ms) for p in range(process_count())]
 

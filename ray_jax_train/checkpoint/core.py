@@ -16,7 +16,8 @@ Design, and why:
 * Names carry the step and a per-incarnation token, so a save repeated after a restart never reuses the
   path of a checkpoint Ray already tracks (its retention would otherwise delete the new one with the old).
 * Every checkpoint records an order-independent integer checksum of each array (programs the step loop only
-  enqueues; the values go to `checksums.json` once orbax has committed). A restore that raises, finds
+  enqueues, one per local shard and free of device collectives; the processes add their shares through the
+  key-value store and the values go to `checksums.json` once orbax has committed). A restore that raises, finds
   files missing, or reads bytes whose checksum differs is rejected on all processes (they agree through the
   jax.distributed key-value store) and the previous reported checkpoint is tried, newest first.
 """
@@ -181,28 +182,45 @@ _checksum_jit = None
 
 
 def start_checksums(state) -> Callable[[], List[Optional[List[int]]]]:
-    """Dispatch the checksums of `state` without waiting; returns a function that waits and gives them.
+    """Dispatch this process's share of the checksums of `state` without waiting; returns a function that
+    waits and gives them (`combine_checksums` adds the processes' shares into the global values).
 
-    The step loop only enqueues the programs; the values are read later, off the loop. One small program per
-    array rather than one for all: XLA on CPU runs the separate programs in parallel, about 3x faster here.
+    Each program sums one shard on its own device, with no collective: a cross-process collective launched
+    here could run beside the step's or orbax's collectives, and on CPU (gloo) two collective programs in
+    flight at once can deadlock the processes. Only a shard's first replica counts, so the shares add up
+    to the whole array whatever the sharding. The step loop only enqueues the programs.
     """
     import jax
 
     global _checksum_jit
     if _checksum_jit is None:
         _checksum_jit = jax.jit(_checksum_leaf)
-    pending = [_checksum_jit(leaf) if _checkable(leaf) else None for leaf in jax.tree.leaves(state)]
+    pending = [[_checksum_jit(shard.data) for shard in leaf.addressable_shards if shard.replica_id == 0]
+               if _checkable(leaf) else None for leaf in jax.tree.leaves(state)]
 
     def result() -> List[Optional[List[int]]]:
-        return [None if value is None else [int(v) for v in np.asarray(value.addressable_data(0))]
-                for value in pending]
+        return [None if shards is None else _add_words([np.asarray(value).tolist() for value in shards])
+                for shards in pending]
 
     return result
 
 
+def _add_words(parts: Sequence[Sequence[int]]) -> List[int]:
+    return [int(sum(column)) % (1 << 32) for column in zip(*parts)] if parts else [0, 0]
+
+
+def combine_checksums(shares: Sequence[Sequence[Optional[Sequence[int]]]]) -> List[Optional[List[int]]]:
+    """The global checksums from every process's `start_checksums` share (one list per process)."""
+    return [None if leaf[0] is None else _add_words(leaf) for leaf in zip(*shares)]
+
+
 def checksums(state) -> List[Optional[List[int]]]:
-    """Per-leaf checksums of the global arrays of `state` (None for leaves that are not checked)."""
-    return start_checksums(state)()
+    """Per-leaf checksums of the global arrays of `state` (None for leaves that are not checked).
+
+    Collective across processes (through the key-value store): every process calls it in the same order.
+    """
+    share = start_checksums(state)()
+    return combine_checksums([json.loads(s) for s in _sync.allgather("checksums", json.dumps(share))])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -338,9 +356,12 @@ class JaxCheckpointer:
         try:
             self._checkpointer().wait_until_finished()
             if pending.checksums is not None:
-                values = pending.checksums()  # read here, off the step loop; all processes hold them
+                # Read here, off the step loop. Keyed by the checkpoint's name, not by call order, because
+                # this may run in Ray's upload thread while the step loop agrees on other things.
+                shares = _sync.allgather("checksums", json.dumps(pending.checksums()),
+                                         key=f"checksums/{pending.name}")
                 if _sync.process_index() == 0:
-                    _write_json(pending.location, CHECKSUMS_FILE, values)
+                    _write_json(pending.location, CHECKSUMS_FILE, combine_checksums([json.loads(s) for s in shares]))
         except BaseException as exc:
             pending.error = exc
             raise
@@ -384,6 +405,7 @@ class JaxCheckpointer:
         them. `data_state` is any JSON-serialisable position of the input pipeline. `wait=True` blocks until
         Ray has registered the checkpoint.
         """
+        import jax
         import orbax.checkpoint as ocp
         import ray.train
         from ray.train import Checkpoint
@@ -409,6 +431,10 @@ class JaxCheckpointer:
         }
         json.dumps(meta)  # fail here, on every worker, if data_state is not JSON-serialisable
         pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None)
+        # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still
+        # in flight (two collective programs at once can deadlock gloo). Orbax copies the arrays to host
+        # before returning anyway, so waiting for them here costs nothing.
+        jax.block_until_ready(state)
         with self._lock:
             self._finish_pending()
             self._pending = pending
@@ -577,9 +603,14 @@ class JaxCheckpointer:
     def _restore_first(self, candidates: List[_Location], target, explicit: bool) -> Restored:
         problems = []
         for i, loc in enumerate(candidates):
-            restored, problem = self._try_restore(loc, target)
-            verdicts = _sync.allgather("restore", "" if problem is None else problem[:500])
-            bad = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
+            restored, problem, expected = self._try_restore(loc, target)
+            share = start_checksums(restored.state)() if restored is not None and expected is not None else None
+            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:500], share]))
+            verdicts = [json.loads(v) for v in verdicts]
+            bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
+            if not bad and expected is not None:
+                mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s in verdicts])
+                bad = [mismatch] if mismatch else []  # the same on every process: they all hold every share
             if not bad:
                 if i:
                     logger.warning("Resumed from %s (step %d) after rejecting %d newer checkpoint(s): %s",
@@ -598,19 +629,20 @@ class JaxCheckpointer:
                "to keep older ones to fall back to.")
         )
 
-    def _try_restore(self, loc: _Location, target) -> Tuple[Optional[Restored], Optional[str]]:
-        """Restore one checkpoint on this process; (result, None) or (None, what is wrong)."""
+    def _try_restore(self, loc: _Location, target) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
+        """Restore one checkpoint on this process: (result, None, checksums to verify, or None) or
+        (None, what is wrong, None). Communicates with no other process, so a failure here cannot hang."""
         import orbax.checkpoint as ocp
 
         try:
             if not _exists(loc):
-                return None, "the directory does not exist"
+                return None, "the directory does not exist", None
             for required in ("_CHECKPOINT_METADATA", f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
                 if not _exists(loc, required):
-                    return None, f"{required} is missing (an unfinished or damaged save)"
+                    return None, f"{required} is missing (an unfinished or damaged save)", None
             meta = _read_json(loc, f"{META_ITEM}/metadata")
             if meta.get("format") != FORMAT:
-                return None, f"not a ray_jax_train checkpoint (format {meta.get('format')!r})"
+                return None, f"not a ray_jax_train checkpoint (format {meta.get('format')!r})", None
             handler = _composite_handler()
             # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
             # read failed would never reach; agreement happens afterwards through the key-value store instead.
@@ -625,23 +657,27 @@ class JaxCheckpointer:
             expected = meta.get("checksums")
             if expected == CHECKSUMS_FILE:  # written after the orbax commit; absent if the save never finished
                 if not _exists(loc, CHECKSUMS_FILE):
-                    return None, f"{CHECKSUMS_FILE} is missing (an unfinished save)"
+                    return None, f"{CHECKSUMS_FILE} is missing (an unfinished save)", None
                 expected = _read_json(loc, CHECKSUMS_FILE)
-            if self.verify and expected is not None:
-                import jax
-
-                got = checksums(state)
-                paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
-                if len(got) != len(expected):
-                    return None, f"the state has {len(got)} arrays but the checkpoint recorded {len(expected)}"
-                wrong = [paths[i] for i, (a, b) in enumerate(zip(got, expected))
-                         if a is not None and b is not None and a != b]
-                if wrong:
-                    return None, f"checksum mismatch in {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}"
-            return Restored(state=state, step=int(meta["step"]), data_state=meta.get("data_state"),
-                            path=loc.uri, metadata=meta), None
+            restored = Restored(state=state, step=int(meta["step"]), data_state=meta.get("data_state"),
+                                path=loc.uri, metadata=meta)
+            return restored, None, expected if self.verify else None
         except Exception as exc:  # any read/decoding failure means this checkpoint is unusable
-            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}", None
+
+    @staticmethod
+    def _checksum_mismatch(state, expected: list, shares: list) -> Optional[str]:
+        """What differs between the recorded checksums and those of the restored `state`, or None."""
+        import jax
+
+        got = combine_checksums(shares)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+        if len(got) != len(expected):
+            return f"the state has {len(got)} arrays but the checkpoint recorded {len(expected)}"
+        wrong = [paths[i] for i, (a, b) in enumerate(zip(got, expected)) if a is not None and b is not None and a != b]
+        if wrong:
+            return f"checksum mismatch in {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}"
+        return None
 
 
 # ------------------------------------------------------------------------------------------------------------
