@@ -212,6 +212,24 @@ def test_loop_without_total_steps_fails_clearly():
         train_loop_per_worker({"arguments": args.model_dump(), "model_config": CONFIG.model_dump()})
 
 
+def test_bf16_params_keep_one_state_layout_with_float32_moments():
+    """bf16 weights: the optimizer moments start and stay float32, so every step takes and returns the same
+    types and the donated step compiles once."""
+    config = CONFIG.model_copy(update={"dtype": "bfloat16", "param_dtype": "bfloat16"})
+    graphdef, params = split_model(create_model(config))
+    optimizer, _ = make_optimizer(TrainingArguments(total_steps=2, batch_size=4, learning_rate=1e-2), 2)
+    state = new_state(params, optimizer)
+    types = jax.tree.map(lambda x: x.dtype, state)
+    assert {x.dtype for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == {jnp.dtype(jnp.float32)}
+    step = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=0)
+    rows = {k: v[:4] for k, v in packed_rows().items()}
+    for _ in range(2):
+        state, metrics = step(state, rows)
+        assert jax.tree.map(lambda x: x.dtype, state) == types
+    assert step._cache_size() == 1
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def test_bf16_compute_keeps_float32_master_weights():
     from ray_jax_train.lm.distributed_trainer import RayDistributedTrainer
 

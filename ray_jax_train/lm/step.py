@@ -44,7 +44,21 @@ def make_optimizer(args: TrainingArguments, total_steps: int) -> Tuple[optax.Gra
     adamw = optax.adamw(schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon,
                         weight_decay=args.weight_decay, mask=decay_mask)
     clip = optax.clip_by_global_norm(args.max_grad_norm) if args.max_grad_norm else optax.identity()
-    return optax.chain(clip, adamw), schedule
+    return float32_moments(optax.chain(clip, adamw)), schedule
+
+
+def float32_moments(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` with its state initialised from float32 copies of low-precision params.
+
+    The step's gradients are float32 (divided by a float32 token count), so moments that start as bfloat16
+    zeros would be float32 after the first update: the state would change type and the donated step would
+    compile twice. Float32 moments are also what mixed-precision training wants.
+    """
+    def upcast(params):
+        return jax.tree.map(lambda p: p.astype(jnp.float32)
+                            if jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32 else p, params)
+
+    return optax.GradientTransformation(lambda params: inner.init(upcast(params)), inner.update)
 
 
 def loss_sums(graphdef, params, batch: Batch) -> Tuple[jax.Array, jax.Array]:
