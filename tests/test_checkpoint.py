@@ -235,6 +235,33 @@ def test_two_workers_reject_a_checkpoint_whose_bytes_differ_from_its_checksums(u
         _fit(tmp_path, "tampered_run", {"restore_from": str(copy)})
 
 
+def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupted):
+    """Restoring into a state with other arrays, shapes or dtypes names the difference (read from the
+    checkpoint's metadata, before any bytes) instead of calling a sound checkpoint corrupt."""
+    import jax
+    import jax.numpy as jnp
+
+    from ray_jax_train.checkpoint import CheckpointMismatchError, abstract_state, restore
+
+    clean_result, _, _ = uninterrupted
+    path = clean_result.checkpoint.path
+
+    def target(hidden=16, dtype=jnp.float32, **extra):
+        params = jax.tree.map(lambda x: x.astype(dtype), example.init_params(0, hidden=hidden))
+        state = {"params": params, "opt_state": example.make_optimizer(3e-3).init(params),
+                 "rng": np.asarray(jax.random.PRNGKey(7)), **extra}
+        return abstract_state(jax.tree.map(jnp.asarray, state))
+
+    assert restore(target(), path, fallback=False).step == TOTAL_STEPS
+    differs = r"differ \(checkpoint vs this run\) for"
+    cases = [(target(hidden=32), rf"shapes {differs} 15 arrays: opt_state/0/mu/0/b \(16,\) vs \(32,\)"),
+             (target(dtype=jnp.bfloat16), rf"dtypes {differs} 18 arrays: .* float32 vs bfloat16"),
+             (target(ema=np.zeros(3, np.float32)), r"only in this run for 1 array: ema\.")]
+    for wanted, message in cases:
+        with pytest.raises(CheckpointMismatchError, match=message):
+            restore(wanted, path, fallback=False)
+
+
 def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):
     # SIGTERM on rank 1 at step 13: a checkpoint is saved at the next check (off the save_every=10 grid),
     # then the worker exits and the group resumes from it.

@@ -7,6 +7,7 @@ uninterrupted one. See `core.py` for the design.
 from ray_jax_train.checkpoint.batches import ResumableBatches
 from ray_jax_train.checkpoint.core import (
     CheckpointCorruptError,
+    CheckpointMismatchError,
     JaxCheckpointer,
     Restored,
     abstract_state,
@@ -20,6 +21,7 @@ from ray_jax_train.checkpoint.signals import FAULTS_ENV
 __all__ = [
     "FAULTS_ENV",
     "CheckpointCorruptError",
+    "CheckpointMismatchError",
     "JaxCheckpointer",
     "Restored",
     "ResumableBatches",

@@ -48,6 +48,67 @@ class CheckpointCorruptError(RuntimeError):
     """A checkpoint directory that cannot be restored: missing files, unreadable data or a checksum mismatch."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A sound checkpoint of a different train state (other arrays, shapes or dtypes) than the run builds.
+
+    Raised at once rather than falling back: the run's older checkpoints hold the same state, and calling the
+    checkpoint corrupt would send the user looking for damage that is not there.
+    """
+
+
+_MISMATCH = "holds a different train state than this run builds: "
+
+
+def _key_names(path) -> Tuple[str, ...]:
+    """A pytree key path as plain names, the form orbax records (dict keys, attribute names, indices)."""
+    names = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                names.append(str(getattr(entry, attr)))
+                break
+        else:
+            names.append(str(entry))
+    return tuple(names)
+
+
+def _describe(leaf) -> Tuple[Optional[tuple], Optional[str]]:
+    import jax
+
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return (None if shape is None else tuple(shape)), None  # key arrays are stored as their raw words
+    return (None if shape is None else tuple(shape)), str(np.dtype(dtype))
+
+
+def _state_mismatch(saved_tree, target) -> Optional[str]:
+    """What differs between a checkpoint's array metadata and the restore target, or None."""
+    import jax
+
+    saved = {_key_names(p): _describe(x) for p, x in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    wanted = {_key_names(p): _describe(x) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    common = sorted(set(saved) & set(wanted))
+    groups = [
+        ("only in the checkpoint", [k for k in sorted(set(saved) - set(wanted))]),
+        ("only in this run", [k for k in sorted(set(wanted) - set(saved))]),
+        ("shapes differ (checkpoint vs this run)", [
+            (k, saved[k][0], wanted[k][0]) for k in common
+            if None not in (saved[k][0], wanted[k][0]) and saved[k][0] != wanted[k][0]]),
+        ("dtypes differ (checkpoint vs this run)", [
+            (k, saved[k][1], wanted[k][1]) for k in common
+            if saved[k][1] and wanted[k][1] and saved[k][1] != wanted[k][1] and saved[k][0] == wanted[k][0]]),
+    ]
+
+    def show(item):
+        return "/".join(item) if isinstance(item[0], str) else f"{'/'.join(item[0])} {item[1]} vs {item[2]}"
+
+    parts = [f"{title} for {len(items)} array{'s' * (len(items) > 1)}: "
+             + ", ".join(show(i) for i in items[:3]) + (", ..." if len(items) > 3 else "")
+             for title, items in groups if items]
+    return "; ".join(parts) or None
+
+
 @dataclasses.dataclass
 class Restored:
     """What `restore` returns: the state in its target shardings plus the bookkeeping saved with it."""
@@ -605,9 +666,14 @@ class JaxCheckpointer:
         for i, loc in enumerate(candidates):
             restored, problem, expected = self._try_restore(loc, target)
             share = start_checksums(restored.state)() if restored is not None and expected is not None else None
-            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:500], share]))
+            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]))
             verdicts = [json.loads(v) for v in verdicts]
             bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
+            mismatch = next((v for v, _ in verdicts if v and v.startswith(_MISMATCH)), None)
+            if mismatch:
+                raise CheckpointMismatchError(
+                    f"{loc.uri} {mismatch}. Resume with the model and optimizer settings the checkpoint was saved "
+                    "with, or start a fresh run under another RunConfig(name=...).")
             if not bad and expected is not None:
                 mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s in verdicts])
                 bad = [mismatch] if mismatch else []  # the same on every process: they all hold every share
@@ -644,10 +710,14 @@ class JaxCheckpointer:
             if meta.get("format") != FORMAT:
                 return None, f"not a ray_jax_train checkpoint (format {meta.get('format')!r})", None
             handler = _composite_handler()
-            # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
-            # read failed would never reach; agreement happens afterwards through the key-value store instead.
             import etils.epath as epath
 
+            mismatch = _state_mismatch(
+                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target)
+            if mismatch:
+                return None, _MISMATCH + mismatch, None
+            # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
+            # read failed would never reach; agreement happens afterwards through the key-value store instead.
             result = handler.restore(
                 epath.Path(loc.uri),
                 ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
