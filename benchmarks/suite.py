@@ -18,7 +18,8 @@ Nothing here asserts anything about time. Measurements (targets from the benchma
     sharding   the 2 workers with the state split (fsdp=2) / replicated (dp=2): tokens/s and state MB per device
     input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
     startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
-    restart    a SIGKILLed worker -> the restarted group's first finished step, without / with the cache
+    restart    a SIGKILLed worker -> the restarted group's first finished step, without / with the cache (1 and 2
+               workers)
     checkpoint benchmarks/checkpoint_cost.py (throughput with saves / without, save & restore MB/s)
 """
 from __future__ import annotations
@@ -44,8 +45,8 @@ import suite_variants as V  # noqa: E402
 # ffn 688 ~ 8/3 x d: SwiGLU's three matrices hold what GPT-2's two 4d ones do.
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
-VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_devices", "torch",
-            "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
+VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
+            "ours_restart2_nocache", "ours_devices", "torch", "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -155,23 +156,24 @@ def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
     return _ours(ctx, "ours_warm", steps=ctx.log_every, cache_dir=_cache_dir(ctx, rnd))
 
 
-def run_restart(cache: bool) -> Callable:
+def run_restart(cache: bool, workers: int = 1) -> Callable:
     """A real restart: the first attempt is SIGKILLed at its first report and Ray starts the group again. Timed
     from the kill to the restarted loop's first finished step, with the compilation cache in the run's storage
-    (the default) or without it."""
+    (the default) or without it. With 2 workers the group waits for both processes' programs, so this shows
+    whether process 1 also loads from the cache that process 0 wrote."""
 
     def run(ctx: Context, rnd: int) -> Dict[str, float]:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
 
         import ray_jax_train as rjt
 
-        name = "ours_restart" if cache else "ours_restart_nocache"
+        name = ("ours_restart" if workers == 1 else f"ours_restart{workers}") + ("" if cache else "_nocache")
         timing_dir = ctx.timing_dir(name)
-        config = {"arguments": V.lm_arguments(ctx.size, ctx.log_every, ctx.log_every),
+        config = {"arguments": V.lm_arguments(ctx.size, ctx.log_every, ctx.log_every, workers=workers),
                   "model_config": V.model_dict(ctx.size), "total_steps": ctx.log_every, "timing_dir": timing_dir}
         trainer = rjt.JaxTrainer(
             V.restart_loop, train_loop_config=config, jax_config=rjt.JaxConfig(compilation_cache=cache),
-            scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"{name}_{ctx._n}", storage_path=ctx.storage,
                                  failure_config=FailureConfig(max_failures=1)),
             datasets={"train": ctx.dataset})
@@ -268,6 +270,7 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 
 RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
+           "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
            "ours_devices": run_ours_devices, "torch": run_torch,
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "fsdp2": run_fsdp2,
            "data": run_data}
@@ -306,6 +309,7 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "startup_torch_over_ours_warm": _ratio(rounds, "torch", "ours_warm", "startup_s"),
         "startup_cold_over_warm": _ratio(rounds, "ours", "ours_warm", "startup_s"),
         "restart_nocache_over_cache": _ratio(rounds, "ours_restart_nocache", "ours_restart", "restart_s"),
+        "restart2_nocache_over_cache": _ratio(rounds, "ours_restart2_nocache", "ours_restart2", "restart_s"),
     }
     out = {}
     for name, values in ratios.items():
@@ -342,6 +346,7 @@ LABELS = {
     "startup_torch_over_ours_warm": "(f) start-up: torch / ours, warm cache",
     "startup_cold_over_warm": "(f) start-up: ours cold / ours warm",
     "restart_nocache_over_cache": "(f) restart after a kill, kill → first step: no cache / cache in the run's storage",
+    "restart2_nocache_over_cache": "(f) the same restart with 2 workers: no cache / cache",
 }
 
 

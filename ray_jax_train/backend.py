@@ -250,6 +250,10 @@ def _setup_worker(
             # Small CPU programs compile fast but are still worth caching for restarts. On accelerators JAX's
             # 1 s floor keeps eager ops' programs out of the (often networked) run storage.
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            if num_processes > 1:
+                from ray_jax_train._cpu_cache_key import share_cpu_cache_entries
+
+                share_cpu_cache_entries()
     elif not config.compilation_cache:
         # Workers inherit the raylet's environment, where a JAX_COMPILATION_CACHE_DIR would switch it on.
         jax.config.update("jax_enable_compilation_cache", False)

@@ -160,6 +160,10 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert sorted(first_steps) == [1, resumed_at + 1], first_steps
     assert first_steps[1]["compilation_cache_hits"] == 0
     assert first_steps[resumed_at + 1]["compilation_cache_hits"] >= 2, first_steps
+    # Process 1 reads the entries process 0 wrote for the programs they share (JAX's CPU keys differ per process
+    # without _cpu_cache_key, and then it loaded none); programs on its own devices alone are never written.
+    restart_hits = first_steps[resumed_at + 1]["compilation_cache_hits_per_process"]
+    assert len(restart_hits) == 2 and restart_hits[1] >= 2, first_steps
     assert any((tmp_path / "storage" / "parity" / "compilation_cache").iterdir())
 
     initial = dict(np.load(record / "initial_params.npz"))

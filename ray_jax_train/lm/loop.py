@@ -232,11 +232,16 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
     from ray_jax_train.backend import compilation_cache_hits
     from ray_jax_train.sharding import bytes_per_device
 
-    hits = compilation_cache_hits()
+    # The fewest over processes: the group starts when its slowest process has its programs.
+    from ray_jax_train.checkpoint import _sync
+
+    per_process = [int(h) for h in _sync.allgather("compilation_cache_hits", str(compilation_cache_hits()))]
+    hits = min(per_process)
     state_mb = max(bytes_per_device(state).values(), default=0) / 2**20
-    logger.info("Step %d done %.1f s after the loop started; %d programs loaded from the compilation cache; the "
-                "train state takes %.1f MB per device.", step, seconds, hits, state_mb)
+    logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache, per "
+                "process: %s; the train state takes %.1f MB per device.", step, seconds, per_process, state_mb)
     recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits,
+                                             "compilation_cache_hits_per_process": per_process,
                                              "state_mb_per_device": state_mb})
     return dict(zip(STARTUP_KEYS, (seconds, hits, state_mb)))
 
