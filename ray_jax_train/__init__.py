@@ -6,7 +6,7 @@ transformers before its loop asks for them.
 """
 import importlib
 
-from ray_jax_train.backend import JaxConfig, compilation_cache_hits
+from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
 from ray_jax_train.data import batch_sharding, iter_jax_batches
 from ray_jax_train.mesh import get_mesh, make_mesh
 from ray_jax_train.trainer import JaxTrainer
@@ -59,7 +59,8 @@ _LAZY = {
     "extract_column_names": "ray_jax_train.text",
 }
 
-__all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "get_mesh", "iter_jax_batches", "make_mesh", *_LAZY]
+__all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
+           "get_mesh", "iter_jax_batches", "make_mesh", *_LAZY]
 
 
 def __getattr__(name):

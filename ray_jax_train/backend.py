@@ -292,6 +292,7 @@ class _WorkerState:
 
     config: Optional[JaxConfig] = None
     cache_hits: int = 0
+    compile_requests: int = 0
     counting_cache_hits: bool = False
 
 
@@ -307,7 +308,14 @@ def _count_cache_hits() -> None:
         if event == "/jax/compilation_cache/cache_hits":
             _state.cache_hits += 1
 
+    def on_duration(event: str, seconds: float, **_):
+        # Every program XLA is asked for, loaded from the cache or compiled; JAX's own "cache_misses" event
+        # counts cache writes only, which happen on process 0 and above a compile-time floor.
+        if event == "/jax/core/compile/backend_compile_duration":
+            _state.compile_requests += 1
+
     jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     _state.counting_cache_hits = True
 
 
@@ -317,6 +325,15 @@ def compilation_cache_hits() -> int:
     After a restart it tells whether the cache in the run's storage was used (0 outside a JaxTrainer worker).
     """
     return _state.cache_hits
+
+
+def compilation_cache_misses() -> int:
+    """How many programs this worker process compiled because the persistent compilation cache did not have them.
+
+    Next to `compilation_cache_hits`, it tells what a start paid for: a restart, or a Tune trial after the first,
+    should compile (almost) nothing. Small programs JAX dispatches op by op count too.
+    """
+    return max(_state.compile_requests - _state.cache_hits, 0)
 
 
 def place_compilation_cache(config: JaxConfig, run_config) -> None:

@@ -3,7 +3,7 @@ hybrid (ICI x DCN) meshes for multi-slice TPU.
 
 Rules are ordered `(regex, PartitionSpec)` pairs searched against a leaf's path written with slashes
 (`layers/0/self_attn/q_proj/kernel`). Optimizer state mirrors the parameter paths under a prefix
-(`opt_state/1/0/mu/layers/0/...`), so rules that anchor on the trailing parameter path (`...kernel$`) shard the
+(`opt_state/inner_state/1/0/mu/layers/0/...`), so rules that anchor on the trailing parameter path (`...kernel$`) shard the
 Adam moments exactly like the weights they belong to, with no extra rules.
 """
 from __future__ import annotations

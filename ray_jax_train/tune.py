@@ -143,8 +143,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     base_data["tune"] = None
 
     # One compilation cache for all trials (the driver's JAX_COMPILATION_CACHE_DIR, or one in the search's
-    # directory), not one per trial run: trials of one model share the programs the searched values do not
-    # change (the state's init, the eval step, and the train step when no optimizer setting is searched).
+    # directory), not one per trial run: trials of one model share every program the searched values do not
+    # shape (the state's init, the eval step, and the train step: optimizer numbers are state, not constants).
     # Absolute: a trial runs in its own working directory.
     shared_cache = os.path.abspath(os.environ.get("JAX_COMPILATION_CACHE_DIR")
                                    or os.path.join(storage, name, "compilation_cache"))

@@ -12,7 +12,7 @@ from ray.train import RunConfig, ScalingConfig
 
 import ray_jax_train as rjt
 from ray_jax_train.config import LlamaConfig
-from ray_jax_train.lm import TrainingArguments, make_optimizer, make_train_step, read_metrics, shard_state
+from ray_jax_train.lm import TrainingArguments, loss_sums, make_optimizer, make_train_step, read_metrics, shard_state
 from ray_jax_train.lm.loop import train_loop_per_worker
 from ray_jax_train.lm.state import split_model
 from ray_jax_train.lm.step import new_state
@@ -110,7 +110,6 @@ def test_training_arguments_reject_bad_values():
 
 def test_schedule_warms_up_then_decays():
     from ray_jax_train.lm.step import make_schedule
-
     args = TrainingArguments(total_steps=100, learning_rate=1.0, warmup_steps=10, min_learning_rate_ratio=0.1)
     schedule = make_schedule(args, 100)
     assert float(schedule(0)) == 0.0 and float(schedule(10)) == pytest.approx(1.0)
@@ -118,6 +117,63 @@ def test_schedule_warms_up_then_decays():
     assert float(schedule(5)) == pytest.approx(0.5)
     linear = make_schedule(args.model_copy(update={"scheduler": "linear"}), 100)
     assert float(linear(55)) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup,total", [(0, 50), (10, 50), (50, 50), (80, 50), (0, 1), (3, 1)])
+def test_schedule_equals_optax_schedules(scheduler, warmup, total):
+    """The schedule computed from the optimizer state's numbers equals optax's schedules, edge cases included."""
+    import optax
+
+    from ray_jax_train.lm.step import make_schedule
+
+    peak, end = 2e-3, 2e-4
+    args = TrainingArguments(learning_rate=peak, min_learning_rate_ratio=0.1, warmup_steps=warmup, scheduler=scheduler)
+    w = min(warmup, total)
+    if scheduler == "cosine":
+        want = optax.warmup_cosine_decay_schedule(0.0, peak, w, max(total, w + 1), end)
+    else:
+        decay = (optax.linear_schedule(peak, end, max(total - w, 1)) if scheduler == "linear"
+                 else optax.constant_schedule(peak))
+        want = decay if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, peak, w), decay], [w])
+    got = make_schedule(args, total)
+    steps = sorted({0, 1, w - 1, w, w + 1, total // 2, total - 1, total, total + 5} - {-1})
+    np.testing.assert_allclose([float(got(s)) for s in steps], [float(want(s)) for s in steps], rtol=1e-5, atol=1e-9)
+
+
+def test_optimizer_numbers_are_state_so_runs_share_one_step_program():
+    """Runs and Tune trials that differ only in optimizer numbers lower to the same train step (one compile, then
+    cache hits), and the numbers in the state still act exactly like optax's AdamW with the same schedule."""
+    import optax
+
+    from ray_jax_train.lm.step import make_schedule
+
+    rows = {k: jnp.asarray(v[:4]) for k, v in packed_rows(num_docs=20).items()}
+    graphdef, params = split_model(create_model(CONFIG))
+    base = TrainingArguments(total_steps=20, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2,
+                             warmup_steps=2, weight_decay=0.1, adam_epsilon=1e-4)  # eps as in the accumulation test
+    other = base.model_copy(update={"learning_rate": 3e-3, "warmup_steps": 5, "weight_decay": 0.0,
+                                    "adam_beta2": 0.99, "max_grad_norm": 0.5, "min_learning_rate_ratio": 0.5})
+
+    def program(args):
+        optimizer, _ = make_optimizer(args, 20)
+        return optimizer, jax.jit(make_train_step(graphdef, optimizer)).lower(new_state(params, optimizer), rows)
+
+    optimizer, lowered = program(other)
+    text = lowered.as_text()
+    assert program(base)[1].as_text() == text
+    assert program(base.model_copy(update={"scheduler": "linear"}))[1].as_text() != text  # structure is static
+
+    reference = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(
+        make_schedule(other, 20), b1=other.adam_beta1, b2=0.99, eps=other.adam_epsilon, weight_decay=0.0,
+        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    ours, theirs = new_state(params, optimizer), new_state(params, reference)
+    step, reference_step = lowered.compile(), jax.jit(make_train_step(graphdef, reference))
+    for _ in range(3):
+        ours, theirs = step(ours, rows)[0], reference_step(theirs, rows)[0]
+    ref_params = theirs["params"]
+    assert _max_diff(ours["params"], ref_params) < 1e-6
+    assert _max_diff(params, ref_params) > 1e-4  # three steps did move the weights
 
 
 def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
-STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "state_mb_per_device")
+STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device")
 
 
 def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], columns: List[str], has_eval: bool,
@@ -48,7 +48,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.arguments import TrainingArguments
     from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
-    from ray_jax_train.lm.step import make_eval_step, make_optimizer, make_train_step, new_state
+    from ray_jax_train.lm.step import keep_hyperparameters, make_eval_step, make_optimizer, make_train_step, new_state
     from ray_jax_train.mesh import make_mesh
     from ray_jax_train.models import flops_per_token
     from ray_jax_train.sharding import check_llama_parallelism
@@ -92,6 +92,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
         restored = checkpointer.restore(abstract_state(state))
         if restored is not None:
+            restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             logger.info("Resuming at step %d from %s.", restored.step, restored.path)
     step = int(jax.device_get(state["step"]))  # one sync, before the loop
@@ -229,21 +230,25 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
     """Say how long start-up took, whether the compiled programs came from the persistent cache (restarts, Tune
     trials), and how much of the train state each device holds (what FSDP and tensor parallelism are meant to
     cut). Returns the same facts for the first metrics record."""
-    from ray_jax_train.backend import compilation_cache_hits
+    from ray_jax_train.backend import compilation_cache_hits, compilation_cache_misses
     from ray_jax_train.sharding import bytes_per_device
 
-    # The fewest over processes: the group starts when its slowest process has its programs.
+    # Per process, then the fewest loaded and the most compiled: the group starts when its slowest process has
+    # its programs.
     from ray_jax_train.checkpoint import _sync
 
-    per_process = [int(h) for h in _sync.allgather("compilation_cache_hits", str(compilation_cache_hits()))]
-    hits = min(per_process)
+    mine = f"{compilation_cache_hits()} {compilation_cache_misses()}"
+    per_process = [tuple(int(n) for n in v.split()) for v in _sync.allgather("compilation_cache", mine)]
+    hits, misses = min(h for h, _ in per_process), max(m for _, m in per_process)
     state_mb = max(bytes_per_device(state).values(), default=0) / 2**20
-    logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache, per "
-                "process: %s; the train state takes %.1f MB per device.", step, seconds, per_process, state_mb)
-    recorder.json(f"first_step_{step:06d}", {"seconds": seconds, "compilation_cache_hits": hits,
-                                             "compilation_cache_hits_per_process": per_process,
-                                             "state_mb_per_device": state_mb})
-    return dict(zip(STARTUP_KEYS, (seconds, hits, state_mb)))
+    logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache / compiled, "
+                "per process: %s; the train state takes %.1f MB per device.", step, seconds,
+                ", ".join(f"{h}/{m}" for h, m in per_process), state_mb)
+    facts = dict(zip(STARTUP_KEYS, (seconds, hits, misses, state_mb)))
+    recorder.json(f"first_step_{step:06d}", dict(facts, seconds=seconds,
+                                                 compilation_cache_hits_per_process=[h for h, _ in per_process],
+                                                 compilation_cache_misses_per_process=[m for _, m in per_process]))
+    return facts
 
 
 def _with_mesh(mesh, fn):

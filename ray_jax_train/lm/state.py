@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ray_jax_train.config import LlamaConfig
+from ray_jax_train.lm.step import keep_hyperparameters
 from ray_jax_train.models import create_model
 from ray_jax_train.models.llama import init_parts
 
@@ -211,7 +212,7 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
         if given_def != jax.tree_util.tree_structure(state["opt_state"]):
             raise ValueError("The given state's opt_state does not match this optimizer's state structure (different "
                              "optimizer settings?). Pass only {'params': ...} to start a fresh optimizer.")
-        state["opt_state"] = shard_state(opt_state, mesh)
+        state["opt_state"] = keep_hyperparameters(shard_state(opt_state, mesh), state["opt_state"])
     return state
 
 

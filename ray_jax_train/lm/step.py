@@ -22,29 +22,65 @@ Batch = Dict[str, jax.Array]
 MODEL_INPUTS = ("attention_mask", "segment_ids", "positions")
 
 
-def make_schedule(args: TrainingArguments, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0, then cosine/linear decay to `min_learning_rate_ratio * lr`, or constant."""
-    peak, warmup = args.learning_rate, min(args.warmup_steps, total_steps)
-    end = peak * args.min_learning_rate_ratio
-    if args.scheduler == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), end)
-    if args.scheduler == "linear":
-        decay = optax.linear_schedule(peak, end, max(total_steps - warmup, 1))
+def schedule_value(step, *, scheduler: str, peak: Any, end: Any, warmup: Any, total: Any) -> jax.Array:
+    """The learning rate at `step`: linear warmup from 0, then cosine/linear decay to `end`, or constant.
+
+    Plain `jnp` arithmetic, so every number may be traced: the optimizer evaluates it from hyperparameters held in
+    its state (see `make_optimizer`), and the host calls it with the same numbers for the logged rate.
+    """
+    step = jnp.asarray(step, jnp.float32)
+    warmup = jnp.asarray(warmup, jnp.float32)
+    warming = peak * step / jnp.maximum(warmup, 1.0)
+    done = jnp.clip((step - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+    if scheduler == "cosine":
+        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+    elif scheduler == "linear":
+        decayed = peak + (end - peak) * done
     else:
-        decay = optax.constant_schedule(peak)
-    if warmup == 0:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+        decayed = jnp.broadcast_to(jnp.asarray(peak, jnp.float32), step.shape)
+    return jnp.where(step < warmup, warming, decayed)
+
+
+def _hyperparameters(args: TrainingArguments, total_steps: int) -> Dict[str, Any]:
+    return {"peak_learning_rate": args.learning_rate, "end_learning_rate": args.learning_rate * args.min_learning_rate_ratio,
+            "warmup_steps": float(min(args.warmup_steps, total_steps)), "total_steps": float(total_steps),
+            "b1": args.adam_beta1, "b2": args.adam_beta2, "eps": args.adam_epsilon, "weight_decay": args.weight_decay,
+            "max_grad_norm": float(args.max_grad_norm or 0.0)}
+
+
+def make_schedule(args: TrainingArguments, total_steps: int) -> optax.Schedule:
+    """The host-side learning-rate schedule (for logging): the same numbers the optimizer's state holds."""
+    hp = _hyperparameters(args, total_steps)
+    return lambda step: schedule_value(step, scheduler=args.scheduler, peak=hp["peak_learning_rate"],
+                                       end=hp["end_learning_rate"], warmup=hp["warmup_steps"], total=hp["total_steps"])
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _adamw(peak_learning_rate, end_learning_rate, warmup_steps, total_steps, b1, b2, eps, weight_decay, max_grad_norm,
+           *, scheduler: str, clip: bool) -> optax.GradientTransformation:
+    def schedule(count):
+        return schedule_value(count, scheduler=scheduler, peak=peak_learning_rate, end=end_learning_rate,
+                              warmup=warmup_steps, total=total_steps)
+
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm) if clip else optax.identity(), adamw)
 
 
 def make_optimizer(args: TrainingArguments, total_steps: int) -> Tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases)."""
-    schedule = make_schedule(args, total_steps)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    adamw = optax.adamw(schedule, b1=args.adam_beta1, b2=args.adam_beta2, eps=args.adam_epsilon,
-                        weight_decay=args.weight_decay, mask=decay_mask)
-    clip = optax.clip_by_global_norm(args.max_grad_norm) if args.max_grad_norm else optax.identity()
-    return float32_moments(optax.chain(clip, adamw)), schedule
+    """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases).
+
+    The numbers (learning rates, warmup and total steps, betas, eps, weight decay, clip norm) live in the optimizer
+    state (`optax.inject_hyperparams`, in float32 whatever the param dtype), not in the compiled train step: runs
+    and Tune trials that differ only in them share one step program, which the compilation cache then serves. The
+    schedule kind and whether to clip at all are structure, so they stay static.
+    """
+    hp = _hyperparameters(args, total_steps)
+    optimizer = optax.inject_hyperparams(_adamw, hyperparam_dtype=jnp.float32)(
+        **hp, scheduler=args.scheduler, clip=bool(args.max_grad_norm))
+    return float32_moments(optimizer), make_schedule(args, total_steps)
 
 
 def float32_moments(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -59,6 +95,14 @@ def float32_moments(inner: optax.GradientTransformation) -> optax.GradientTransf
                             if jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32 else p, params)
 
     return optax.GradientTransformation(lambda params: inner.init(upcast(params)), inner.update)
+
+
+def keep_hyperparameters(restored_opt_state, current_opt_state):
+    """`restored_opt_state` with the hyperparameters of `current_opt_state`: a resumed run, or one started from a
+    given state, trains with its own settings (those its schedule logs), not with those the state was saved with."""
+    if hasattr(restored_opt_state, "hyperparams") and hasattr(current_opt_state, "hyperparams"):
+        return restored_opt_state._replace(hyperparams=current_opt_state.hyperparams)
+    return restored_opt_state
 
 
 def loss_sums(graphdef, params, batch: Batch) -> Tuple[jax.Array, jax.Array]:
