@@ -253,6 +253,10 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
         return abstract_state(jax.tree.map(jnp.asarray, state))
 
     assert restore(target(), path, fallback=False).step == TOTAL_STEPS
+    # A typed key array is stored as its raw words, of another shape: not a mismatch.
+    from ray_jax_train.checkpoint.core import _state_mismatch
+
+    assert _state_mismatch({"k": jax.ShapeDtypeStruct((2,), jnp.uint32)}, {"k": jax.random.key(0)}) is None
     differs = r"differ \(checkpoint vs this run\) for"
     cases = [(target(hidden=32), rf"shapes {differs} 15 arrays: opt_state/0/mu/0/b \(16,\) vs \(32,\)"),
              (target(dtype=jnp.bfloat16), rf"dtypes {differs} 18 arrays: .* float32 vs bfloat16"),
