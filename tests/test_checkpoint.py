@@ -228,8 +228,8 @@ def test_two_workers_reject_a_checkpoint_whose_bytes_differ_from_its_checksums(u
     copy = tmp_path / "tampered"
     shutil.copytree(clean_result.checkpoint.path, copy)
     recorded = json.loads((copy / "checksums.json").read_text())
-    kernel = 16  # leaf order: opt_state (count, mu, nu), params, rng; [16] is params[1]["w"], split over dp
-    recorded[kernel][1] = (recorded[kernel][1] + 1) % (1 << 32)
+    kernel = recorded["paths"].index("params/1/w")  # split over dp: each worker sums half of it
+    recorded["values"][kernel][1] = (recorded["values"][kernel][1] + 1) % (1 << 32)
     (copy / "checksums.json").write_text(json.dumps(recorded))
     with pytest.raises(Exception, match=r"checksum mismatch in \['params'\]\[1\]\['w'\]\)"):
         _fit(tmp_path, "tampered_run", {"restore_from": str(copy)})
@@ -264,6 +264,16 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
     for wanted, message in cases:
         with pytest.raises(CheckpointMismatchError, match=message):
             restore(wanted, path, fallback=False)
+
+    # Only the params, out of the whole state (how a new run starts from a checkpoint's weights): read and verified
+    # against the checksums recorded for those paths; a params shape that differs is still a mismatch.
+    whole = restore(target(), path, fallback=False).state
+    params_only = restore({"params": target()["params"]}, path, fallback=False, partial=True).state
+    assert jax.tree.structure(params_only) == jax.tree.structure({"params": whole["params"]})
+    for a, b in zip(jax.tree.leaves(params_only["params"]), jax.tree.leaves(whole["params"])):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with pytest.raises(CheckpointMismatchError, match="shapes differ"):
+        restore({"params": target(hidden=32)["params"]}, path, fallback=False, partial=True)
 
 
 def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):

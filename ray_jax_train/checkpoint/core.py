@@ -72,6 +72,19 @@ def _key_names(path) -> Tuple[str, ...]:
     return tuple(names)
 
 
+def leaf_paths(tree) -> List[str]:
+    """Each leaf's path as "a/b/0", in leaf order: how checksums are matched to arrays, whatever the pytree types."""
+    import jax
+
+    return ["/".join(_key_names(p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _expected_for(recorded: Dict[str, list], target) -> list:
+    """The recorded checksums (`{"paths": [...], "values": [...]}`) in `target`'s leaf order, None where absent."""
+    by_path = dict(zip(recorded["paths"], recorded["values"]))
+    return [by_path.get(path) for path in leaf_paths(target)]
+
+
 def _describe(leaf) -> Tuple[Optional[tuple], Optional[str]]:
     import jax
 
@@ -82,15 +95,16 @@ def _describe(leaf) -> Tuple[Optional[tuple], Optional[str]]:
     return (None if shape is None else tuple(shape)), str(np.dtype(dtype))
 
 
-def _state_mismatch(saved_tree, target) -> Optional[str]:
-    """What differs between a checkpoint's array metadata and the restore target, or None."""
+def _state_mismatch(saved_tree, target, partial: bool = False) -> Optional[str]:
+    """What differs between a checkpoint's array metadata and the restore target, or None. A `partial` target
+    may leave out arrays the checkpoint has."""
     import jax
 
     saved = {_key_names(p): _describe(x) for p, x in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
     wanted = {_key_names(p): _describe(x) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
     common = sorted(set(saved) & set(wanted))
     groups = [
-        ("only in the checkpoint", [k for k in sorted(set(saved) - set(wanted))]),
+        ("only in the checkpoint", [] if partial else [k for k in sorted(set(saved) - set(wanted))]),
         ("only in this run", [k for k in sorted(set(wanted) - set(saved))]),
         ("shapes differ (checkpoint vs this run)", [
             (k, saved[k][0], wanted[k][0]) for k in common
@@ -306,9 +320,10 @@ def _composite_handler():
 
 
 class _PendingSave:
-    def __init__(self, name: str, location: _Location, step: int, checksums=None):
+    def __init__(self, name: str, location: _Location, step: int, checksums=None, paths=None):
         self.name, self.location, self.step = name, location, step
         self.checksums = checksums  # a function giving the values, or None (not verified)
+        self.paths = paths  # the leaves' paths, which the checksums file records next to the values
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
 
@@ -422,7 +437,8 @@ class JaxCheckpointer:
                 shares = _sync.allgather("checksums", json.dumps(pending.checksums()),
                                          key=f"checksums/{pending.name}")
                 if _sync.process_index() == 0:
-                    _write_json(pending.location, CHECKSUMS_FILE, combine_checksums([json.loads(s) for s in shares]))
+                    values = combine_checksums([json.loads(s) for s in shares])
+                    _write_json(pending.location, CHECKSUMS_FILE, {"paths": pending.paths, "values": values})
         except BaseException as exc:
             pending.error = exc
             raise
@@ -491,7 +507,8 @@ class JaxCheckpointer:
             "time": time.time(),
         }
         json.dumps(meta)  # fail here, on every worker, if data_state is not JSON-serialisable
-        pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None)
+        pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None,
+                               leaf_paths(state))
         # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still
         # in flight (two collective programs at once can deadlock gloo). Orbax copies the arrays to host
         # before returning anyway, so waiting for them here costs nothing.
@@ -592,7 +609,8 @@ class JaxCheckpointer:
 
     # -- restoring --------------------------------------------------------------------------------------------
 
-    def restore(self, target, checkpoint=None, *, fallback: bool = True, cleanup: bool = True) -> Optional[Restored]:
+    def restore(self, target, checkpoint=None, *, fallback: bool = True, cleanup: bool = True,
+                partial: bool = False) -> Optional[Restored]:
         """Restore into `target` (a pytree of `jax.ShapeDtypeStruct` with shardings, see `abstract_state`).
 
         Source: `checkpoint` (a `ray.train.Checkpoint`, path or URI) if given, else the run's latest checkpoint
@@ -600,12 +618,13 @@ class JaxCheckpointer:
         into their target shardings, so the target may be on a different mesh or number of workers than the
         saving run. If the latest checkpoint is corrupt or partial, the previous reported ones are tried,
         newest first (`fallback`). `cleanup` removes, on a fresh incarnation, orbax temporary directories and
-        checkpoint directories Ray never registered (left by a worker that died mid-save).
+        checkpoint directories Ray never registered (left by a worker that died mid-save). `partial=True` reads
+        only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
         import ray.train
 
         if checkpoint is not None:
-            return self._restore_first([_location_of(checkpoint)], target, explicit=True)
+            return self._restore_first([_location_of(checkpoint)], target, explicit=True, partial=partial)
         latest = ray.train.get_checkpoint()
         reported = self._reported_locations() if (fallback or cleanup) else []
         if cleanup and _sync.process_index() == 0:
@@ -615,7 +634,7 @@ class JaxCheckpointer:
         candidates = [_location_of(latest)]
         if fallback:
             candidates += [loc for loc in reported if loc.fs_path != candidates[0].fs_path]
-        return self._restore_first(candidates, target, explicit=False)
+        return self._restore_first(candidates, target, explicit=False, partial=partial)
 
     def _reported_locations(self) -> List[_Location]:
         """Ray's registered checkpoints, newest (highest step) first."""
@@ -661,10 +680,10 @@ class JaxCheckpointer:
                 except Exception as exc:
                     logger.warning("Could not remove %s: %s", info.path, exc)
 
-    def _restore_first(self, candidates: List[_Location], target, explicit: bool) -> Restored:
+    def _restore_first(self, candidates: List[_Location], target, explicit: bool, partial: bool = False) -> Restored:
         problems = []
         for i, loc in enumerate(candidates):
-            restored, problem, expected = self._try_restore(loc, target)
+            restored, problem, expected = self._try_restore(loc, target, partial)
             share = start_checksums(restored.state)() if restored is not None and expected is not None else None
             verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]))
             verdicts = [json.loads(v) for v in verdicts]
@@ -695,7 +714,8 @@ class JaxCheckpointer:
                "to keep older ones to fall back to.")
         )
 
-    def _try_restore(self, loc: _Location, target) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
+    def _try_restore(self, loc: _Location, target,
+                     partial: bool = False) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
         """Restore one checkpoint on this process: (result, None, checksums to verify, or None) or
         (None, what is wrong, None). Communicates with no other process, so a failure here cannot hang."""
         import orbax.checkpoint as ocp
@@ -713,7 +733,7 @@ class JaxCheckpointer:
             import etils.epath as epath
 
             mismatch = _state_mismatch(
-                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target)
+                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target, partial)
             if mismatch:
                 return None, _MISMATCH + mismatch, None
             # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
@@ -721,14 +741,20 @@ class JaxCheckpointer:
             result = handler.restore(
                 epath.Path(loc.uri),
                 ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))}),
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=partial)}),
             )
             state = result[STATE_ITEM]
-            expected = meta.get("checksums")
-            if expected == CHECKSUMS_FILE:  # written after the orbax commit; absent if the save never finished
+            recorded = meta.get("checksums")
+            if recorded == CHECKSUMS_FILE:  # written after the orbax commit; absent if the save never finished
                 if not _exists(loc, CHECKSUMS_FILE):
                     return None, f"{CHECKSUMS_FILE} is missing (an unfinished save)", None
-                expected = _read_json(loc, CHECKSUMS_FILE)
+                recorded = _read_json(loc, CHECKSUMS_FILE)
+            expected = None
+            if isinstance(recorded, dict):
+                expected = _expected_for(recorded, target)
+            elif isinstance(recorded, list) and not partial:
+                expected = recorded  # older files: a bare list in the saved state's leaf order
             restored = Restored(state=state, step=int(meta["step"]), data_state=meta.get("data_state"),
                                 path=loc.uri, metadata=meta)
             return restored, None, expected if self.verify else None
@@ -769,9 +795,11 @@ def save_and_report(step: int, state, *, metrics=None, data_state=None, wait: bo
     return _default_checkpointer().save(step, state, metrics=metrics, data_state=data_state, wait=wait)
 
 
-def restore(target, checkpoint=None, *, fallback: bool = True) -> Optional[Restored]:
-    """Restore into the abstract `target` from `checkpoint` or the run's latest good checkpoint (None if none)."""
-    return _default_checkpointer().restore(target, checkpoint, fallback=fallback)
+def restore(target, checkpoint=None, *, fallback: bool = True, partial: bool = False) -> Optional[Restored]:
+    """Restore into the abstract `target` from `checkpoint` or the run's latest good checkpoint (None if none).
+
+    `partial=True` reads only the arrays `target` names, e.g. the params of a whole train state."""
+    return _default_checkpointer().restore(target, checkpoint, fallback=fallback, partial=partial)
 
 
 def wait_for_saves() -> None:

@@ -217,13 +217,14 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
 
 
 def restore_params(path: str, config: LlamaConfig, optimizer, mesh, new_state_fn):
-    """Parameters from a ray_jax_train checkpoint directory (the whole state is read, the params kept)."""
+    """Parameters from a ray_jax_train checkpoint directory: only the params are read, so the checkpoint may come
+    from a run with other optimizer settings (or an older optimizer state layout)."""
     from ray_jax_train.checkpoint import abstract_state, restore
 
     _, expected = abstract_params(config)
     target = jax.eval_shape(lambda p: new_state_fn(p, 0), expected)
     target = abstract_state(target, state_shardings(target, mesh))
-    restored = restore(target, checkpoint=path, fallback=False)
+    restored = restore({"params": target["params"]}, checkpoint=path, fallback=False, partial=True)
     if restored is None:
         raise FileNotFoundError(f"No checkpoint found at {path}.")
     return restored.state["params"]
