@@ -37,7 +37,9 @@ def checkpoint_loop(config):
     from jax.experimental import multihost_utils
 
     import ray_jax_train as rjt
-    from ray_jax_train.checkpoint import JaxCheckpointer, ResumableBatches, abstract_state
+    import ray.train
+
+    from ray_jax_train.checkpoint import JaxCheckpointer, ResumableBatches, _sync, abstract_state
 
     out = config["out"]
     mesh = rjt.get_mesh()
@@ -48,6 +50,9 @@ def checkpoint_loop(config):
 
     ckpt = JaxCheckpointer(save_every=config.get("save_every", SAVE_EVERY),
                            preemption_check_every=config.get("check_every", 10))
+    if config.get("listing_fails_on_rank") == jax.process_index():
+        # What a failed query to Ray's controller leaves one process with: no older checkpoints to fall back to.
+        ckpt._reported_locations = lambda: []
     restored = ckpt.restore(abstract_state(state), config.get("restore_from"))
     start = 0
     if restored is not None:
@@ -55,7 +60,9 @@ def checkpoint_loop(config):
         assert ResumableBatches.start_step(restored.data_state) == start
     if jax.process_index() == 0:
         with open(os.path.join(out, "restores.jsonl"), "a") as f:
+            offered = ray.train.get_checkpoint()
             f.write(json.dumps({"step": start, "path": restored.path if restored else None,
+                                "offered": offered.path if offered else None,
                                 "process_count": jax.process_count(), "time": time.time()}) + "\n")
         if restored is not None:
             full = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state)
@@ -83,8 +90,11 @@ def checkpoint_loop(config):
             ckpt.wait(registered=True)  # make the kill below land after the previous save is registered
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
-        if config.get("corrupt_before_step") == done and jax.process_index() == 0:
-            _corrupt_latest(ckpt)
+        if config.get("corrupt_before_step") == done:
+            ckpt.wait(registered=True)
+            if jax.process_index() == 0:
+                _corrupt_latest(ckpt)
+            _sync.allgather("corrupted", "")  # a fault planned for this step on rank 1 waits for the damage
         ckpt.maybe_save(done, state, metrics=lambda: {"loss": float(loss)}, data_state=batches.position(done))
     ckpt.close()
     full = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state)
@@ -172,7 +182,7 @@ def uninterrupted(ray_cluster, tmp_path_factory):
 
 
 def _without_time(restores):
-    return [{k: v for k, v in r.items() if k != "time"} for r in restores]
+    return [{k: v for k, v in r.items() if k not in ("time", "offered")} for r in restores]
 
 
 def test_uninterrupted_run_keeps_num_to_keep(uninterrupted):
@@ -193,17 +203,20 @@ def test_three_kills_and_a_corrupt_checkpoint_resume_bitwise(uninterrupted, tmp_
       from 0 if that save had not been registered; never from a partial directory.
     * step 17, rank 0: after the step-15 save is registered; resumes from 15.
     * step 23, rank 1: rank 0 first overwrites the array files of the registered step-20 checkpoint; the
-      restart rejects it (checksum/read failure, agreed by both workers) and falls back to 15.
+      restart rejects it (checksum/read failure, agreed by both workers) and falls back to 15. Rank 1's list
+      of Ray's checkpoints comes back empty every time; both walk rank 0's list, so neither waits on the other.
     """
     _, clean_out, _ = uninterrupted
     result, out, restores = _fit(
-        tmp_path, "killed", {"settle_at": [17], "corrupt_before_step": 23},
+        tmp_path, "killed", {"settle_at": [17], "corrupt_before_step": 23, "listing_fails_on_rank": 1},
         faults="sigkill@8:1,sigkill@17:0,sigkill@23:1", max_failures=3, num_to_keep=3)
     assert result.error is None, result.error
     steps = [r["step"] for r in restores]
     assert len(steps) == 4 and steps[0] == 0 and steps[1] in (0, 5) and steps[2:] == [15, 15], steps
     corrupted = json.loads((tmp_path / "storage" / "killed" / "corrupted.json").read_text())
     assert corrupted["step"] == 20
+    # Ray offered the garbled checkpoint to the last restart; the workers rejected it and took step 15's.
+    assert restores[3]["offered"] == corrupted["path"] and restores[3]["path"] == restores[2]["path"], restores
     _assert_bitwise_equal(clean_out / "final.npz", out / "final.npz")
     assert len(_checkpoint_dirs(result)) == 3
     assert not [d for d in os.listdir(result.path) if "orbax-checkpoint-tmp" in d]

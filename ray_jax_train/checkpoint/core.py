@@ -629,12 +629,21 @@ class JaxCheckpointer:
         reported = self._reported_locations() if (fallback or cleanup) else []
         if cleanup and _sync.process_index() == 0:
             self._remove_orphans(reported + ([_location_of(latest)] if latest is not None else []))
-        if latest is None:
-            return None
-        candidates = [_location_of(latest)]
-        if fallback:
+        candidates = [] if latest is None else [_location_of(latest)]
+        if fallback and candidates:
             candidates += [loc for loc in reported if loc.fs_path != candidates[0].fs_path]
+        candidates = self._agree_on(candidates)
+        if not candidates:
+            return None
         return self._restore_first(candidates, target, explicit=False, partial=partial)
+
+    @staticmethod
+    def _agree_on(candidates: List[_Location]) -> List[_Location]:
+        """Process 0's candidate list on every process: each process asks Ray for its list, and one whose query
+        failed would otherwise walk a shorter list and leave the others waiting in a later agreement."""
+        uris = json.loads(_sync.broadcast("candidates", json.dumps([loc.uri for loc in candidates])))
+        mine = {loc.uri: loc for loc in candidates}
+        return [mine[uri] if uri in mine else _location_of(uri) for uri in uris]
 
     def _reported_locations(self) -> List[_Location]:
         """Ray's registered checkpoints, newest (highest step) first."""
