@@ -122,7 +122,6 @@ def train_loop_per_worker(config: dict):
 
 
 def main(argv=None):
-    import ray
     from ray.train import RunConfig, ScalingConfig
 
     import ray_jax_train as rjt
@@ -137,9 +136,9 @@ def main(argv=None):
     parser.add_argument("--record-dir", default=None)
     args = parser.parse_args(argv)
 
-    if not ray.is_initialized():
-        # Logical CPUs for the workers plus Ray Data's read tasks; oversubscribing one machine is harmless.
-        ray.init(num_cpus=max(os.cpu_count() or 1, args.num_workers + 2), include_dashboard=False)
+    # A private local Ray with logical CPUs for the workers plus Ray Data's read tasks, or, under `ray job submit`,
+    # the cluster the job runs on.
+    rjt.init_ray(num_cpus=max(os.cpu_count() or 1, args.num_workers + 2), include_dashboard=False)
     trainer = rjt.JaxTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "batch_size": args.batch_size, "learning_rate": args.learning_rate,

@@ -15,9 +15,9 @@ import time
 
 
 def main(argv=None):
-    import ray
     import ray.data
 
+    import ray_jax_train as rjt
     from ray_jax_train.lm import RayDistributedTrainer, TrainingArguments, read_metrics
     from ray_jax_train.models import count_params
     from ray_jax_train.text import local_corpus, train_tokenizer
@@ -46,8 +46,9 @@ def main(argv=None):
     eval_rows = [{"text": t} for t in texts[:n_eval]]
     print(f"corpus: {len(texts)} documents ({sum(map(len, texts)) / 1e6:.1f}M chars); tokenizer in {tokenizer_dir}")
 
-    # Logical CPUs beyond the 2 training workers let Ray Data tokenise alongside training on a small machine.
-    ray.init(ignore_reinit_error=True, include_dashboard=False, num_cpus=max(4, os.cpu_count() or 1))
+    # Logical CPUs beyond the 2 training workers let Ray Data tokenise alongside training on a small machine; under
+    # `ray job submit` this joins the job's cluster instead.
+    rjt.init_ray(include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False  # keep the training log readable
     trainer = RayDistributedTrainer(
         tokenizer_dir,

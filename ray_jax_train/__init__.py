@@ -9,7 +9,7 @@ import importlib
 from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
 from ray_jax_train.data import batch_sharding, iter_jax_batches
 from ray_jax_train.mesh import get_mesh, make_mesh
-from ray_jax_train.trainer import JaxTrainer
+from ray_jax_train.trainer import JaxTrainer, init_ray
 
 __version__ = "0.1.0"
 
@@ -60,7 +60,7 @@ _LAZY = {
 }
 
 __all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
-           "get_mesh", "iter_jax_batches", "make_mesh", *_LAZY]
+           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", *_LAZY]
 
 
 def __getattr__(name):

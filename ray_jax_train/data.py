@@ -309,20 +309,25 @@ def _prefetched(iterable, depth: int):
     buffer: "queue.Queue" = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item) -> bool:
+        """Hand `item` over, or give up once the consumer has gone (a blocking put would keep this thread, and
+        the batches and readers it holds, alive forever after a consumer that stops early)."""
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce():
         try:
             for item in iterable:
-                while not stop.is_set():
-                    try:
-                        buffer.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            buffer.put(_DONE)
+            put(_DONE)
         except BaseException as exc:  # surfaced in the consumer, never swallowed
-            buffer.put(exc)
+            put(exc)
 
     threading.Thread(target=produce, name="ray_jax_train-prefetch", daemon=True).start()
     batches = _consume(buffer, stop)

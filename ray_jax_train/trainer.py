@@ -129,6 +129,26 @@ def _fast_report_polling(interval_s: str = "0.1"):
         os.environ.pop(key, None)
 
 
+def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
+    """Start Ray as a training script wants it, on a laptop and on a cluster alike. Returns whether it joined a cluster.
+
+    With `RAY_ADDRESS` set (`ray job submit` sets it for its entrypoint) this joins that cluster, whose size is its
+    own: Ray refuses `num_cpus` there, so a script that passed it would fail only once submitted. Otherwise a private
+    local Ray starts (never another `ray start` on this machine by accident) with `num_cpus` logical CPUs, by
+    default the cores and at least 4: oversubscribing one machine leaves Ray Data CPUs beside the training workers.
+    Nothing happens if Ray is already initialised. Other keyword arguments go to `ray.init` either way.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS", "local") != "local":
+        ray.init(**kwargs)
+        return True
+    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **kwargs)
+    return False
+
+
 def _worker_cpus(scaling_config) -> float:
     resources = scaling_config.resources_per_worker
     return float(resources.get("CPU", 0)) if resources else (0.0 if scaling_config.use_tpu else 1.0)
@@ -147,8 +167,8 @@ def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
     needed = num_workers * _worker_cpus(scaling_config)
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed) + 2))
-        return
+        if not init_ray(num_cpus=max(os.cpu_count() or 1, int(needed) + 2)):
+            return
     if not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
         return
     total = ray.cluster_resources().get("CPU", 0.0)

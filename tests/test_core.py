@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -170,6 +171,17 @@ def test_iter_jax_batches_reads_at_once_and_stops_when_dropped(ray_cluster):
 
     ids = [np.asarray(b["id"]) for b in rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh)]
     assert sorted(np.concatenate(ids).tolist()) == list(range(64))
+
+    # A consumer that stops while the reader, done reading, waits to hand over the end of the data behind a full
+    # buffer (an eval cut short by max_eval_steps): the reader goes too, instead of waiting forever.
+    before = readers()
+    batches = rjt.iter_jax_batches(ray.data.range(32), batch_size=8, mesh=mesh, prefetch=2)
+    (thread,) = readers() - before
+    next(batches), next(batches)
+    time.sleep(3)  # the last 2 of 4 batches fill the buffer; the end-of-data marker waits behind them
+    batches.close()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reader of an iterator closed after the data ended kept running"
 
 
 def test_a_short_read_first_does_not_end_the_epoch():

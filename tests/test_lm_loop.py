@@ -1,5 +1,6 @@
 """The built-in causal-LM loop: accumulation, 2-worker data parallel against one process (through a kill and
 resume), argument checks."""
+import itertools
 import json
 import os
 
@@ -263,6 +264,26 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     # The exported final model is the trained one.
     _, exported_params = split_model(from_pretrained(os.path.join(result.path, "final_model")))
     assert _max_diff(exported_params, state["params"]) < 1e-5
+
+
+def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():
+    """A checkpoint taken on an epoch's last batch resumes at the next epoch's first; an epoch that yields nothing
+    from its start is the only error."""
+    from ray_jax_train.lm.loop import epoch_batches
+
+    def open_epoch(epoch, skip):  # 3 batches an epoch, named by (epoch, index)
+        return iter([(epoch, i) for i in range(3)][skip:])
+
+    def take(n, epoch, skip):
+        return list(itertools.islice(epoch_batches(open_epoch, epoch, skip, batch_size=8), n))
+
+    assert take(4, 0, 0) == [(0, 1, (0, 0)), (0, 2, (0, 1)), (0, 3, (0, 2)), (1, 1, (1, 0))]
+    assert take(2, 1, 3) == [(2, 1, (2, 0)), (2, 2, (2, 1))]  # saved at epoch 1's end
+    assert take(2, 1, 2) == [(1, 3, (1, 2)), (2, 1, (2, 0))]
+    with pytest.raises(RuntimeError, match="Epoch 0 yielded no full global batch of 8 rows"):
+        list(itertools.islice(epoch_batches(lambda e, s: iter(()), 0, 0, 8), 1))
+    with pytest.raises(RuntimeError, match="Epoch 2 yielded no full global batch"):  # data gone after a resume
+        list(itertools.islice(epoch_batches(lambda e, s: iter(([1] if e < 2 else [])[s:]), 1, 1, 8), 1))
 
 
 def test_loop_without_total_steps_fails_clearly():

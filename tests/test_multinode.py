@@ -153,6 +153,19 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
     workers = list_actors(address=url, filters=[("class_name", "=", "RayTrainWorker")], detail=True)
     assert len({w.node_id for w in workers}) == 2, [(w.node_id, w.state) for w in workers]
 
+    # A plain training script (no CLI), written for one machine, runs unchanged as a job: it joins the job's cluster
+    # instead of asking for a local Ray of its own size, which Ray refuses once RAY_ADDRESS names a cluster.
+    shutil.copy(os.path.join(REPO, "examples", "mlp_data_parallel.py"), workdir)
+    subprocess.run(
+        [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
+         "--submission-id", "rjt-script", "--no-wait", "--", "python", "mlp_data_parallel.py", "--steps", "10",
+         "--rows", "512", "--storage-path", str(tmp_path / "script-runs")],
+        env=env, capture_output=True, text=True, timeout=180, check=True)
+    _wait(lambda: client.get_job_status("rjt-script") in terminal, 300, "script job")
+    logs = client.get_job_logs("rjt-script")
+    assert client.get_job_status("rjt-script") == JobStatus.SUCCEEDED, logs[-4000:]
+    assert "done: 2 workers, 10 steps" in logs
+
     # And the curves of that run plot from its directory.
     from ray_jax_train.cli import main
 

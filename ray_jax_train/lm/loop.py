@@ -125,17 +125,21 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     pending: List[Dict[str, Any]] = []  # device metrics since the last log step
     last: Dict[str, float] = {}
-    epoch, skip = int(data_pos["epoch"]), int(data_pos["batch"])
+    def batches_of(epoch: int, skip: int):
+        nonlocal first_epoch
+        if first_epoch is not None:  # a fresh run's epoch 0, opened before the state was built
+            opened, first_epoch = first_epoch, None
+            return opened()
+        return open_epoch(epoch, skip)
+
+    position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
-    while step < total_steps:
-        seen = skip
-        batches = first_epoch() if first_epoch is not None else open_epoch(epoch, skip)
-        first_epoch = None
-        for batch in batches:
+    if step < total_steps:
+        for epoch, seen, batch in epoch_batches(batches_of, position["epoch"], position["batch"], args.batch_size):
             recorder.batch(step + 1, batch)
             state, metrics = train_step(state, batch)
-            step, seen = step + 1, seen + 1
+            step, position = step + 1, {"epoch": epoch, "batch": seen}
             pending.append(metrics)
             if compiled:
                 throughput.step()
@@ -164,20 +168,14 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     _append_jsonl(run_dir, record)
                 ray.train.report(record)
             if checkpointer is not None:
-                checkpointer.maybe_save(step, state, metrics=lambda: dict(last),
-                                        data_state={"epoch": epoch, "batch": seen})
+                checkpointer.maybe_save(step, state, metrics=lambda: dict(last), data_state=dict(position))
             if step >= total_steps:
                 break
-        if seen == skip and step < total_steps:
-            raise RuntimeError(
-                f"Epoch {epoch} yielded no full global batch of {args.batch_size} rows: the training data is "
-                "smaller than one batch (per worker shards may be uneven). Give more data or a smaller batch_size.")
-        epoch, skip = epoch + 1, 0
 
     progress.close()
     if checkpointer is not None:
         if args.save_steps and step % args.save_steps:
-            checkpointer.save(step, state, metrics=dict(last), data_state={"epoch": epoch, "batch": 0})
+            checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
         checkpointer.close()
     recorder.params("final_params", state["params"])
     if args.save_final_model and run_dir is not None:
@@ -186,6 +184,25 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         from ray_jax_train.models import save_pretrained
 
         save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
+
+
+def epoch_batches(open_epoch: Callable[[int, int], Iterator], epoch: int, skip: int, batch_size: int):
+    """`(epoch, batches done in it, batch)` from a saved data position on, epoch after epoch, without end.
+
+    `open_epoch(epoch, skip)` gives an epoch's batches after its first `skip`. A position at an epoch's very end
+    (a checkpoint taken on its last batch) opens onto nothing and moves on to the next epoch; only an epoch read
+    from its start that yields nothing is an error.
+    """
+    while True:
+        seen = skip
+        for batch in open_epoch(epoch, skip):
+            seen += 1
+            yield epoch, seen, batch
+        if seen == 0:
+            raise RuntimeError(
+                f"Epoch {epoch} yielded no full global batch of {batch_size} rows: the training data is smaller "
+                "than one batch (per worker shards may be uneven). Give more data or a smaller batch_size.")
+        epoch, skip = epoch + 1, 0
 
 
 def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) -> Callable[[], Iterator]:
