@@ -50,9 +50,11 @@ def checkpoint_loop(config):
 
     ckpt = JaxCheckpointer(save_every=config.get("save_every", SAVE_EVERY),
                            preemption_check_every=config.get("check_every", 10))
-    if config.get("listing_fails_on_rank") == jax.process_index():
-        # What a failed query to Ray's controller leaves one process with: no older checkpoints to fall back to.
-        ckpt._reported_locations = lambda: []
+    if (config.get("listing_fails_on_rank") == jax.process_index()
+            and os.path.exists(os.path.join(ckpt.location.fs_path, "corrupted.json"))):
+        # A failed query to Ray's controller, on the restart that must fall back: this process knows no older
+        # checkpoints to fall back to, nor which directories Ray tracks (so it must not clean up).
+        ckpt._reported_locations = lambda: None
     restored = ckpt.restore(abstract_state(state), config.get("restore_from"))
     start = 0
     if restored is not None:
@@ -203,12 +205,12 @@ def test_three_kills_and_a_corrupt_checkpoint_resume_bitwise(uninterrupted, tmp_
       from 0 if that save had not been registered; never from a partial directory.
     * step 17, rank 0: after the step-15 save is registered; resumes from 15.
     * step 23, rank 1: rank 0 first overwrites the array files of the registered step-20 checkpoint; the
-      restart rejects it (checksum/read failure, agreed by both workers) and falls back to 15. Rank 1's list
-      of Ray's checkpoints comes back empty every time; both walk rank 0's list, so neither waits on the other.
+      restart rejects it (checksum/read failure, agreed by both workers) and falls back to 15. On that restart
+      rank 0's query for Ray's checkpoints fails: it deletes nothing, and both walk rank 1's list.
     """
     _, clean_out, _ = uninterrupted
     result, out, restores = _fit(
-        tmp_path, "killed", {"settle_at": [17], "corrupt_before_step": 23, "listing_fails_on_rank": 1},
+        tmp_path, "killed", {"settle_at": [17], "corrupt_before_step": 23, "listing_fails_on_rank": 0},
         faults="sigkill@8:1,sigkill@17:0,sigkill@23:1", max_failures=3, num_to_keep=3)
     assert result.error is None, result.error
     steps = [r["step"] for r in restores]

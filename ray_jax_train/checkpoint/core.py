@@ -627,26 +627,28 @@ class JaxCheckpointer:
             return self._restore_first([_location_of(checkpoint)], target, explicit=True, partial=partial)
         latest = ray.train.get_checkpoint()
         reported = self._reported_locations() if (fallback or cleanup) else []
-        if cleanup and _sync.process_index() == 0:
+        if cleanup and reported is not None and _sync.process_index() == 0:
+            # Only with Ray's list in hand: without it every registered checkpoint would look like an orphan.
             self._remove_orphans(reported + ([_location_of(latest)] if latest is not None else []))
         candidates = [] if latest is None else [_location_of(latest)]
         if fallback and candidates:
-            candidates += [loc for loc in reported if loc.fs_path != candidates[0].fs_path]
-        candidates = self._agree_on(candidates)
+            candidates += [loc for loc in (reported or []) if loc.fs_path != candidates[0].fs_path]
+        candidates = self._agree_on(candidates, listed=reported is not None)
         if not candidates:
             return None
         return self._restore_first(candidates, target, explicit=False, partial=partial)
 
     @staticmethod
-    def _agree_on(candidates: List[_Location]) -> List[_Location]:
-        """Process 0's candidate list on every process: each process asks Ray for its list, and one whose query
-        failed would otherwise walk a shorter list and leave the others waiting in a later agreement."""
-        uris = json.loads(_sync.broadcast("candidates", json.dumps([loc.uri for loc in candidates])))
+    def _agree_on(candidates: List[_Location], listed: bool) -> List[_Location]:
+        """One candidate list on every process: the first whose query to Ray succeeded (`listed`). A process
+        walking a shorter list would give up while the others fall back, and leave them waiting."""
+        lists = [json.loads(v) for v in _sync.allgather("candidates", json.dumps([listed, [c.uri for c in candidates]]))]
+        uris = next((uris for ok, uris in lists if ok), lists[0][1])
         mine = {loc.uri: loc for loc in candidates}
         return [mine[uri] if uri in mine else _location_of(uri) for uri in uris]
 
-    def _reported_locations(self) -> List[_Location]:
-        """Ray's registered checkpoints, newest (highest step) first."""
+    def _reported_locations(self) -> Optional[List[_Location]]:
+        """Ray's registered checkpoints, newest (highest step) first; None if Ray could not be asked."""
         import ray.train
         from ray.train.v2.api.report_config import CheckpointConsistencyMode
 
@@ -656,7 +658,7 @@ class JaxCheckpointer:
             )
         except Exception as exc:
             logger.warning("Could not list the run's reported checkpoints (%s); no fallback available.", exc)
-            return []
+            return None
 
         def order(item):
             step = (item.metrics or {}).get("step")
