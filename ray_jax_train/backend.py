@@ -160,7 +160,31 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "
             "TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)."
         )
+    devices = _global_device_count(config, scaling_config)
+    if config.mesh is not None and devices is not None:
+        from ray_jax_train.mesh import resolve_axes
+
+        try:
+            resolve_axes(config.mesh, devices)
+        except ValueError as exc:
+            raise ValueError(f"JaxConfig(mesh=...) does not fit the {devices} devices the workers will have: {exc}")
     return config
+
+
+def _global_device_count(config: JaxConfig, scaling_config) -> Optional[int]:
+    """The job's device count where the driver can know it: CPU devices or GPUs per worker, times the workers.
+    None for TPU (chips per host vary), multi-slice meshes, elastic worker counts and hand-set device counts."""
+    workers = scaling_config.num_workers
+    settings = " ".join([*config.xla_flags, *map(str, config.env_vars.values())])
+    hand_set = "xla_force_host_platform_device_count" in settings
+    if not isinstance(workers, int) or config.dcn_mesh is not None or hand_set:
+        return None
+    if config.platform == "cpu":
+        return workers * config.num_cpu_devices
+    if config.platform == "gpu":
+        gpus = (scaling_config.resources_per_worker or {}).get("GPU") or 1
+        return workers * int(gpus) if float(gpus).is_integer() else None
+    return None
 
 
 def _requests_gpus(scaling_config) -> bool:

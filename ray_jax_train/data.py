@@ -107,7 +107,9 @@ def iter_jax_batches(
     state, and Ray Data's start-up overlaps with that work instead of delaying the first step.
 
     Args:
-        dataset: a name from `JaxTrainer(datasets=...)`, a `DataIterator`, or a `ray.data.Dataset`.
+        dataset: a name from `JaxTrainer(datasets=...)` (this worker's shard of it), a `DataIterator`, or a
+            `ray.data.Dataset`. An iterator or Dataset given directly is this process's data, read whole: one
+            Dataset built identically in every worker puts each row into the global batch once per process.
         batch_size: the GLOBAL batch size; each process reads `batch_size / process_count` rows.
         mesh: the mesh to shard over; `batch_axes` defaults to those of dp, fsdp, data it has.
         dtypes: one dtype for every column or a column -> dtype mapping (e.g. `jnp.bfloat16`).

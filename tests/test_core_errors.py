@@ -108,6 +108,13 @@ def test_mesh_sizes_must_match_devices():
         rjt.make_mesh({"dp": -1, "tp": 3})
     with pytest.raises(ValueError, match="only one size can be inferred"):
         rjt.JaxConfig(mesh={"dp": -1, "fsdp": -1})  # caught on the driver, before any worker starts
+    # Sizes that cannot fit the workers' devices (2 workers x 2 CPU devices), also on the driver.
+    with pytest.raises(ValueError, match=r"does not fit the 4 devices .* multiply to 6 devices, but there are 4"):
+        rjt.JaxTrainer(_loop, scaling_config=ScalingConfig(num_workers=2),
+                       jax_config=rjt.JaxConfig(num_cpu_devices=2, mesh={"dp": 3, "tp": 2}))
+    config = resolve_jax_config(rjt.JaxConfig(num_cpu_devices=2, mesh={"dp": -1, "tp": 2}),
+                                ScalingConfig(num_workers=2))
+    assert config.mesh == {"dp": -1, "tp": 2}  # fits: dp is inferred in the workers
 
 
 def test_mesh_keeps_each_process_contiguous():
