@@ -138,6 +138,10 @@ class JaxConfig(BackendConfig):
         return env
 
 
+def _usable_cores() -> List[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
 def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_config=None) -> JaxConfig:
     """Decide the platform on the driver, before workers start, and check it against the scaling config."""
     config = dataclasses.replace(jax_config) if jax_config is not None else JaxConfig()
@@ -426,13 +430,13 @@ class _JaxBackend(Backend):
         if not config.cpu_affinity or config.platform != "cpu":
             return [None] * num_workers
         per_worker = max(1, int(worker_group.get_resources_per_worker().get("CPU", 1)))
-        node_cores = worker_group.execute(os.cpu_count)
+        # The cores each worker may run on, not os.cpu_count(): in a container held to cores 4-7, core 0 is not ours.
+        node_cores = worker_group.execute(_usable_cores)
         plan = []
-        for worker, available in zip(worker_group.get_workers(), node_cores):
-            local_rank = worker.distributed_context.local_rank
-            first = local_rank * per_worker
-            fits = first + per_worker <= (available or 0)
-            plan.append(list(range(first, first + per_worker)) if fits else None)
+        for worker, usable in zip(worker_group.get_workers(), node_cores):
+            first = worker.distributed_context.local_rank * per_worker
+            mine = usable[first:first + per_worker]
+            plan.append(mine if len(mine) == per_worker else None)
         if None in plan:
             logger.warning("cpu_affinity: a node has fewer cores than its workers ask for; not pinning there.")
         return plan

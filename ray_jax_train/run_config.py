@@ -201,8 +201,13 @@ class ExperimentConfig(_Section):
         if self.tokenizer.path is not None and not os.path.isdir(self.tokenizer.path):
             raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
                              "tokenizer directory, or null to train one at run time")
-        if self.model.init_from is not None and not os.path.exists(self.model.init_from):
-            raise ConfigError(f"model.init_from: {self.model.init_from!r} does not exist")
+        if self.model.init_from is not None and "://" not in self.model.init_from:
+            from ray_jax_train.lm.state import weights_dir_kind
+
+            try:
+                weights_dir_kind(os.path.abspath(self.model.init_from))
+            except FileNotFoundError as exc:
+                raise ConfigError(f"model.init_from: {exc}") from None
         if self.tune is not None:
             for key, spec in self.tune.param_space.items():
                 try:
@@ -210,7 +215,28 @@ class ExperimentConfig(_Section):
                     _check_search_space(key, spec)
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
+            self._check_trial_values()
         return self
+
+    def _check_trial_values(self) -> None:
+        """Every constant, listed value and range end of the search must make a valid config: a bad one is then a
+        config error before any trial starts, not a search whose every trial fails."""
+        data = self.model_dump(mode="json")
+        data["tune"] = None
+        for key, spec in self.tune.param_space.items():
+            section, name = key.split(".", 1)
+            kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
+            if kind == "randint":
+                values = [values[0], values[1] - 1]  # the high end is exclusive
+            elif kind in ("uniform", "loguniform", "quniform"):
+                values = values[:2]
+            for value in values:
+                trial = json.loads(json.dumps(data))
+                trial[section] = {**(trial.get(section) or {}), name: value}
+                try:
+                    parse_config(trial).training_arguments()
+                except ValueError as exc:  # ConfigError included
+                    raise ConfigError(f"tune.param_space.{key}: trials given {value!r} would fail: {exc}") from None
 
     # -- what the trainer needs ---------------------------------------------------------------------------
 
@@ -390,6 +416,9 @@ def _check_search_space(key: str, spec: Any) -> None:
             raise ValueError(f"tune.param_space.{key}.{name}: expected a non-empty list, got {args!r}")
         if name in ("uniform", "loguniform", "randint") and len(args) != 2:
             raise ValueError(f"tune.param_space.{key}.{name}: expected [low, high], got {args!r}")
+        if name == "quniform" and len(args) != 3:
+            raise ValueError(f"tune.param_space.{key}.{name}: expected [low, high, q] (values rounded to a "
+                             f"multiple of q), got {args!r}")
 
 
 def _unknown_key(path: str, key: str, fields, exclude=()) -> str:

@@ -72,6 +72,12 @@ BAD = [
      ["tune.param_space", "learning_rat", "'learning_rate'"]),
     ({"tune": {"param_space": {"training.learning_rate": {"logunifrom": [1e-4, 1e-2]}}}}, [],
      ["not a search space", "loguniform"]),
+    ({"tune": {"param_space": {"training.learning_rate": {"quniform": [1e-4, 1e-2]}}}}, [],
+     ["quniform", "expected [low, high, q]"]),
+    ({"tune": {"param_space": {"training.learning_rate": {"choice": [1e-3, "fast"]}}}}, [],
+     ["tune.param_space.training.learning_rate: trials given 'fast' would fail", "training.learning_rate"]),
+    ({"training": {"total_steps": 50}, "tune": {"param_space": {"training.warmup_steps": {"randint": [1, 101]}}}},
+     [], ["trials given 100 would fail", "warmup_steps=100"]),
 ]
 
 
@@ -87,6 +93,21 @@ def test_bad_config_exits_2_naming_the_key(patch, flags, fragments, tmp_path, ca
     assert code == 2, err
     for fragment in fragments:
         assert fragment in err, err
+
+
+def test_init_from_a_run_directory_exits_2_naming_its_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    for step in (10, 20):
+        (run_dir / f"checkpoint_{step:09d}_0a1b2c3d").mkdir(parents=True)
+        (run_dir / f"checkpoint_{step:09d}_0a1b2c3d" / "_CHECKPOINT_METADATA").write_text("{}")
+    code, _, err = run(["config", "validate", TINY, "--set", f"model.init_from={run_dir}"], capsys)
+    assert code == 2, err
+    assert "model.init_from" in err and "neither a Hugging Face model directory" in err, err
+    assert "the latest is " + str(run_dir / "checkpoint_000000020_0a1b2c3d") in err, err
+    # One of its checkpoints is accepted.
+    code, _, err = run(["config", "validate", TINY, "--set",
+                        f"model.init_from={run_dir / 'checkpoint_000000020_0a1b2c3d'}"], capsys)
+    assert code == 0, err
 
 
 def test_unreadable_input_exits_2(tmp_path, capsys):

@@ -478,7 +478,7 @@ class JaxCheckpointer:
         """Start saving `state` as of `step` and report it to Ray once it is on storage. Returns its path.
 
         `metrics` (a dict, or a function returning one so a host sync happens only on save steps) are reported
-        with the checkpoint, with `step` added, so `CheckpointConfig(checkpoint_score_attribute=...)` can use
+        with the checkpoint, with `step` set to this one, so `CheckpointConfig(checkpoint_score_attribute=...)` can use
         them. `data_state` is any JSON-serialisable position of the input pipeline. `wait=True` blocks until
         Ray has registered the checkpoint.
         """
@@ -490,7 +490,7 @@ class JaxCheckpointer:
 
         step = int(step)
         metrics = dict(metrics() if callable(metrics) else (metrics or {}))
-        metrics.setdefault("step", step)
+        metrics["step"] = step  # the checkpoint's own step, which restores order candidates by, not a logged one
         if self._last_saved_step == step:
             logger.info("Step %d is already checkpointed; not saving it twice.", step)
             if wait:
@@ -701,9 +701,10 @@ class JaxCheckpointer:
             bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
             mismatch = next((v for v, _ in verdicts if v and v.startswith(_MISMATCH)), None)
             if mismatch:
-                raise CheckpointMismatchError(
-                    f"{loc.uri} {mismatch}. Resume with the model and optimizer settings the checkpoint was saved "
-                    "with, or start a fresh run under another RunConfig(name=...).")
+                fix = ("Give a checkpoint of this model, or the model settings it was saved with." if explicit else
+                       "Resume with the model and optimizer settings the checkpoint was saved with, or start a fresh "
+                       "run under another RunConfig(name=...).")
+                raise CheckpointMismatchError(f"{loc.uri} {mismatch}. {fix}")
             if not bad and expected is not None:
                 mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s in verdicts])
                 bad = [mismatch] if mismatch else []  # the same on every process: they all hold every share

@@ -255,9 +255,26 @@ def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) 
         path = os.fspath(checkpoint_path)
         if "://" not in path:
             path = os.path.abspath(path)
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"checkpoint_path {path} does not exist.")
-            if is_hf_model_dir(path):
-                return {"source": "hf", "path": path}
+            return {"source": weights_dir_kind(path), "path": path}
         return {"source": "checkpoint", "path": path}
     return {"source": "scratch"}
+
+
+def weights_dir_kind(path: str) -> str:
+    """"hf" or "checkpoint" for a local directory to start from; otherwise FileNotFoundError saying what to give.
+
+    Checked on the driver, so a run directory given instead of one of its checkpoints fails before workers start
+    and names the checkpoint that was probably meant.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint_path {path} does not exist.")
+    if is_hf_model_dir(path):
+        return "hf"
+    if os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
+        return "checkpoint"
+    inside = sorted(d for d in os.listdir(path)
+                    if d.startswith("checkpoint_") and os.path.exists(os.path.join(path, d, "_CHECKPOINT_METADATA")))
+    hint = f" It holds checkpoints; the latest is {os.path.join(path, inside[-1])}." if inside else ""
+    raise FileNotFoundError(
+        f"{path} is neither a Hugging Face model directory (config.json and *.safetensors) nor a ray_jax_train "
+        f"checkpoint (no _CHECKPOINT_METADATA).{hint}")
