@@ -303,6 +303,34 @@ def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):
     assert 13 <= restores[1]["step"] < 20 and restores[1]["step"] != 10, restores
 
 
+def test_sigterm_kept_training_saves_once_and_is_never_forced_out(monkeypatch):
+    """exit_after_sigterm_save=False: once the SIGTERM's checkpoint is saved, later checks ask for no more saves,
+    the grace timer no longer ends the worker, and neither does the end of training. (In this process: the handler
+    is installed on the main thread here, the forced exit is recorded instead of delivered.)"""
+    import signal
+
+    from ray_jax_train.checkpoint import signals
+
+    released = []
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(signals, "_sigterm", signals._SigtermState())
+    monkeypatch.setattr(signals, "release_sigterm", lambda: released.append(time.time()))
+    try:
+        assert signals.install_sigterm_handler(grace_s=0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not signals.sigterm_received() and time.time() < deadline:
+            time.sleep(0.01)
+        assert signals.sigterm_received()
+        signals.sigterm_handled()  # what maybe_save does after the save when the worker keeps training
+        assert not signals.sigterm_received()
+        time.sleep(1.0)  # past the grace period
+        signals.deactivate_sigterm_handler()  # training over
+        assert released == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_resumable_batches_same_global_batches_on_any_mesh():
     import jax
 

@@ -578,9 +578,12 @@ class JaxCheckpointer:
             return False
         preempted = why in ("sigterm", "preemption")
         self.save(step, state, metrics=metrics, data_state=data_state, wait=preempted)
-        if why == "sigterm" and self.exit_after_sigterm_save and signals.sigterm_received():
-            logger.warning("Checkpoint for step %d registered after SIGTERM; exiting this worker.", step)
-            signals.release_sigterm()
+        if why == "sigterm" and signals.sigterm_received():
+            if self.exit_after_sigterm_save:
+                logger.warning("Checkpoint for step %d registered after SIGTERM; exiting this worker.", step)
+                signals.release_sigterm()
+            else:
+                signals.sigterm_handled()
         return True
 
     def wait(self, registered: bool = False) -> None:

@@ -27,6 +27,8 @@ class _SigtermState:
     installed = False
     active = True  # False once training is over: a SIGTERM then is an ordinary shutdown, not preemption
     received_at: Optional[float] = None
+    handled = False  # its checkpoint is saved and the worker keeps training (exit_after_sigterm_save=False)
+    timer: Optional[threading.Timer] = None
     previous = None
     grace_s = 120.0
 
@@ -35,7 +37,16 @@ _sigterm = _SigtermState()
 
 
 def sigterm_received() -> bool:
-    return _sigterm.received_at is not None
+    """A SIGTERM arrived and still asks for a checkpoint."""
+    return _sigterm.received_at is not None and not _sigterm.handled
+
+
+def sigterm_handled() -> None:
+    """The SIGTERM's checkpoint is registered and the worker trains on: no further saves for it, and no exit when
+    the grace period ends (a second SIGTERM still ends the worker)."""
+    _sigterm.handled = True
+    if _sigterm.timer is not None:
+        _sigterm.timer.cancel()
 
 
 def _exit_the_ordinary_way(signum=signal.SIGTERM, frame=None):
@@ -60,9 +71,9 @@ def _handler(signum, frame):
         "SIGTERM received: a checkpoint will be saved at the next preemption check (then the worker exits; "
         "exits anyway in %.0fs).", _sigterm.grace_s,
     )
-    timer = threading.Timer(_sigterm.grace_s, release_sigterm)
-    timer.daemon = True
-    timer.start()
+    _sigterm.timer = threading.Timer(_sigterm.grace_s, lambda: release_sigterm())
+    _sigterm.timer.daemon = True
+    _sigterm.timer.start()
 
 
 def _install_on_main_thread(grace_s: float) -> bool:
@@ -95,7 +106,7 @@ def install_sigterm_handler(grace_s: float = 120.0) -> bool:
 def deactivate_sigterm_handler() -> None:
     """Training is over: let SIGTERM end the worker at once, without a save or a preemption message."""
     _sigterm.active = False
-    if _sigterm.received_at is not None:
+    if sigterm_received():
         release_sigterm()
 
 
