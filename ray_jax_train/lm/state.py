@@ -244,6 +244,11 @@ def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) 
         if isinstance(state, (nnx.State, nnx.Module)) or (isinstance(state, dict) and "params" not in state):
             state = {"params": state}
         payload = {"params": params_to_numpy(state["params"]), "step": int(np.asarray(state.get("step") or 0))}
+        if payload["step"] and state.get("opt_state") is None:
+            raise ValueError(
+                f"The given state has step={payload['step']} but no opt_state: the optimizer and its learning-rate "
+                f"schedule would start over while the steps count on from {payload['step']}. Pass the state's "
+                "opt_state to continue it, or leave out step to start a fresh optimizer from these params.")
         if state.get("opt_state") is not None:
             payload["opt_state"] = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["opt_state"])
         return {"source": "state", "ref": ray.put(payload)}
