@@ -266,6 +266,10 @@ class _Agreement:
         key = f"{self._prefix}/{self._round}"
         self._client.key_value_set(f"{key}/{self._rank}", str(value))
         values = [int(self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms)) for p in range(self._size)]
+        if self._round >= 1:
+            # Every process has now set this round's key, so each has read all of the round before: that round's
+            # keys are never read again. Deleting them keeps the coordinator's store from growing with the run.
+            self._client.key_value_delete(f"{self._prefix}/{self._round - 1}/{self._rank}")
         self._round += 1
         return values
 

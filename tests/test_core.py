@@ -63,6 +63,13 @@ def _collectives_and_batches(config):
         rjt.iter_jax_batches("valid", batch_size=8, mesh=mesh)
     except ValueError as exc:
         out["unknown_dataset_error"] = str(exc)
+    # The batch-count agreement deletes a round's keys once every process is past it, so the coordinator's store
+    # keeps about one round per iterator, not one per batch of the run: 17 rounds here leave at most 3 keys.
+    from jax._src import distributed
+
+    out["batches_of_64"] = sum(1 for _ in rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh,
+                                                               sync_window=1))
+    out["kv_batch_keys"] = len(distributed.global_state.client.key_value_dir_get("ray_jax_train/batches/"))
     with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
 
@@ -99,6 +106,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
         # 10 and 23 rows at 4 rows per process per batch: drop keeps min(2, 5) batches, pad yields max(3, 6).
         assert info["drop_batches"] == 2
         assert info["pad_batches"] == 6
+        assert info["batches_of_64"] == 16 and info["kv_batch_keys"] <= 4 * 3, info  # 4 iterators
     assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
     # Every row of the 32-row dataset is seen exactly once across both workers.
