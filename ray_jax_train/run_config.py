@@ -661,7 +661,9 @@ def check_cluster_fits(scaling: ScalingSection, copies: int = 1) -> None:
         if not node.get("Alive"):
             continue
         have = node.get("Resources", {})
-        fits = min((int(have.get(k, 0.0) // v) for k, v in need.items() if v > 0), default=0)
+        if not need:  # a worker that asks for nothing fits anywhere, any number of times
+            return
+        fits = min(int(have.get(k, 0.0) // v) for k, v in need.items())
         slots.append(fits)
     placeable = sum(min(n, 1) for n in slots) if scaling.placement_strategy == "STRICT_SPREAD" else sum(slots)
     if scaling.placement_strategy == "STRICT_PACK":

@@ -131,6 +131,10 @@ def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=2", "--set",
                         "scaling.placement_strategy=STRICT_SPREAD"], capsys)
     assert code == 2 and "1 node(s)" in err, err
+    # Workers that ask for no CPU (cpus_per_worker: 0) always fit.
+    from ray_jax_train.run_config import ScalingSection, check_cluster_fits
+
+    check_cluster_fits(ScalingSection(num_workers=9, cpus_per_worker=0))
 
 
 def test_warmup_longer_than_the_counted_epochs_exits_2_before_workers(ray_cluster, capsys, tmp_path):

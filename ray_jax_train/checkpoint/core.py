@@ -369,6 +369,8 @@ class JaxCheckpointer:
         exit_after_sigterm_save: after the SIGTERM checkpoint is registered, let the SIGTERM end the worker
             (Ray then restarts the group from that checkpoint). False keeps training until killed.
         sigterm_grace_s: after a SIGTERM, exit anyway if no checkpoint was saved within this time.
+        timeout_s: how long a worker waits for the others: for the slowest reader of a restore, the slowest
+            writer of a save, and Ray's list of checkpoints. Raise it for states that take longer to read or write.
     """
 
     def __init__(
@@ -394,6 +396,7 @@ class JaxCheckpointer:
         self.preemption_check_every = preemption_check_every
         self.exit_after_sigterm_save = exit_after_sigterm_save
         self.timeout_s = timeout_s
+        self._timeout_ms = int(timeout_s * 1000)
         self._orbax = None
         self._lock = threading.Lock()
         self._pending: Optional[_PendingSave] = None
@@ -435,7 +438,7 @@ class JaxCheckpointer:
                 # Read here, off the step loop. Keyed by the checkpoint's name, not by call order, because
                 # this may run in Ray's upload thread while the step loop agrees on other things.
                 shares = _sync.allgather("checksums", json.dumps(pending.checksums()),
-                                         key=f"checksums/{pending.name}")
+                                         key=f"checksums/{pending.name}", timeout_ms=self._timeout_ms)
                 if _sync.process_index() == 0:
                     values = combine_checksums([json.loads(s) for s in shares])
                     _write_json(pending.location, CHECKSUMS_FILE, {"paths": pending.paths, "values": values})
@@ -699,7 +702,8 @@ class JaxCheckpointer:
         for i, loc in enumerate(candidates):
             restored, problem, expected = self._try_restore(loc, target, partial)
             share = start_checksums(restored.state)() if restored is not None and expected is not None else None
-            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]))
+            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]),
+                                       timeout_ms=self._timeout_ms)
             verdicts = [json.loads(v) for v in verdicts]
             bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
             mismatch = next((v for v, _ in verdicts if v and v.startswith(_MISMATCH)), None)
