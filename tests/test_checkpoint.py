@@ -84,6 +84,7 @@ def checkpoint_loop(config):
     # memory, which is quicker to start on a loaded machine. Equal final params prove the two orders agree.
     source = "train" if config.get("ray_data") else example.make_rows({"id": np.arange(ROWS)})
     batches = ResumableBatches(source, batch_size=BATCH, mesh=mesh, seed=3, columns=["x", "y"])
+    assert batches.resume_step(restored.data_state if restored else None) == start
     total = config["steps"]
     for step, batch in batches.iterate(start, total - start):
         state, loss = step_fn(state, batch["x"], batch["y"])
@@ -345,6 +346,10 @@ def test_resumable_batches_same_global_batches_on_any_mesh():
         assert resumed == seen[-1][9:]
         assert batches.position(9) == {"step": 9, "epoch": 1, "batch": 3, "seed": 5}
     assert seen[0] == seen[1]
+    # A checkpoint's position must be where its step falls in this data.
+    assert batches.resume_step(batches.position(9)) == 9 and batches.resume_step(None) == 0
+    with pytest.raises(ValueError, match="seed, batch size or row count changed"):
+        ResumableBatches(data, batch_size=4, mesh=meshes[1], seed=5).resume_step(batches.position(9))
     epoch0 = sorted(sum(seen[0][:6], []))
     assert len(set(epoch0)) == 48  # one epoch: each row at most once
     assert seen[0][:6] != seen[0][6:12]  # a new order each epoch

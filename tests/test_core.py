@@ -70,6 +70,11 @@ def _collectives_and_batches(config):
     out["batches_of_64"] = sum(1 for _ in rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh,
                                                                sync_window=1))
     out["kv_batch_keys"] = len(distributed.global_state.client.key_value_dir_get("ray_jax_train/batches/"))
+    # Exact-resume batches need the same rows on every worker: per-worker rows are refused, not mixed.
+    try:
+        rjt.ResumableBatches({"id": np.arange(16) + jax.process_index()}, batch_size=8, mesh=mesh)
+    except ValueError as exc:
+        out["resumable_error"] = str(exc)
     with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
 
@@ -108,6 +113,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
         assert info["pad_batches"] == 6
         assert info["batches_of_64"] == 16 and info["kv_batch_keys"] <= 4 * 3, info  # 4 iterators
     assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
+    assert all("the workers hold different rows" in info.get("resumable_error", "") for info in ranks), ranks
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
     # Every row of the 32-row dataset is seen exactly once across both workers.
     seen = sorted(v for info in ranks for batch in info["local_rows"] for v in batch)

@@ -103,6 +103,33 @@ class ResumableBatches:
         if self.batches_per_epoch == 0:
             raise ValueError(f"{self.num_rows} rows are fewer than one global batch of {batch_size}.")
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._check_same_rows_everywhere()
+
+    def _check_same_rows_everywhere(self) -> None:
+        """Every process must hold the same rows in the same order, or each fills its part of a batch from other
+        rows and the order is no longer a function of (seed, step): compared through a fingerprint of the row
+        count, the columns and up to 1024 evenly spaced rows (collective: every process constructs its own)."""
+        import hashlib
+        import json
+
+        from ray_jax_train.checkpoint import _sync
+
+        if _sync.process_count() == 1:
+            return
+        digest = hashlib.sha256(str(self.num_rows).encode())
+        sample = np.unique(np.linspace(0, self.num_rows - 1, num=min(self.num_rows, 1024)).astype(np.int64))
+        for key, column in sorted(self.columns.items()):
+            digest.update(f"{key}:{column.dtype}:{column.shape[1:]}".encode())
+            digest.update(np.ascontiguousarray(column[sample]).tobytes())
+        prints = [json.loads(v) for v in _sync.allgather("resumable_rows", json.dumps(
+            [self.num_rows, digest.hexdigest()]))]
+        if len({tuple(p) for p in prints}) > 1:
+            raise ValueError(
+                "ResumableBatches: the workers hold different rows (row counts "
+                f"{[p[0] for p in prints]}, or the same count in another order), so the global batches would not be "
+                "a function of (seed, step). Give every worker the whole dataset in one order: "
+                "DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)), or "
+                "order_by=<a unique column>.")
 
     def position(self, step: int) -> Dict[str, int]:
         """The data position before global batch `step`: what a checkpoint stores as its `data_state`."""
@@ -112,6 +139,17 @@ class ResumableBatches:
     @staticmethod
     def start_step(data_state: Optional[Mapping[str, Any]]) -> int:
         return 0 if not data_state else int(data_state["step"])
+
+    def resume_step(self, data_state: Optional[Mapping[str, Any]]) -> int:
+        """The step to resume at from a checkpoint's `data_state`, checked against this data: another seed, batch
+        size or row count would place the step elsewhere in the data and silently replay or skip rows."""
+        step = self.start_step(data_state)
+        if data_state and dict(data_state) != self.position(step):
+            raise ValueError(
+                f"The checkpoint's data position {dict(data_state)} is not where step {step} falls in this data "
+                f"({self.position(step)}): the seed, batch size or row count changed since it was saved. Resume with "
+                "the data settings it was saved with.")
+        return step
 
     def _order(self, epoch: int) -> np.ndarray:
         if self._epoch_cache[0] != epoch:
