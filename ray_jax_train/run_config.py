@@ -15,7 +15,9 @@ that name the dotted key path and, for typos, the closest valid key.
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
+import math
 import os
 import re
 import typing
@@ -193,6 +195,9 @@ class ExperimentConfig(_Section):
         # TrainingArguments' and LlamaConfig's own validation, with errors re-rooted under training./model.
         self.training_arguments()
         self.llama_config()
+        if not self.scaling.worker_resources():
+            raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
+                              "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")
         for which in ("source", "eval_source"):
             for path in self.data.paths(which):
                 if not os.path.exists(path):
@@ -218,25 +223,40 @@ class ExperimentConfig(_Section):
             self._check_trial_values()
         return self
 
-    def _check_trial_values(self) -> None:
-        """Every constant, listed value and range end of the search must make a valid config: a bad one is then a
-        config error before any trial starts, not a search whose every trial fails."""
+    def _check_trial_values(self, max_combinations: int = 256) -> None:
+        """Every listed value and range end of the search must make a valid config with some choice of the other
+        searched values (constants applied): a bad one is then a config error before any trial starts, not a
+        search whose every trial fails. Searches with more combinations than `max_combinations` are not checked."""
         data = self.model_dump(mode="json")
         data["tune"] = None
+        candidates = {}
         for key, spec in self.tune.param_space.items():
-            section, name = key.split(".", 1)
             kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
             if kind == "randint":
                 values = [values[0], values[1] - 1]  # the high end is exclusive
             elif kind in ("uniform", "loguniform", "quniform"):
                 values = values[:2]
-            for value in values:
-                trial = json.loads(json.dumps(data))
-                trial[section] = {**(trial.get(section) or {}), name: value}
-                try:
-                    parse_config(trial).training_arguments()
-                except ValueError as exc:  # ConfigError included
-                    raise ConfigError(f"tune.param_space.{key}: trials given {value!r} would fail: {exc}") from None
+            candidates[key] = values
+        if math.prod(len(v) for v in candidates.values()) > max_combinations:
+            return
+        keys = list(candidates)
+        failures: Dict[Tuple[str, int], str] = {}
+        passed = set()
+        for combination in itertools.product(*(range(len(candidates[k])) for k in keys)):
+            trial = json.loads(json.dumps(data))
+            for key, index in zip(keys, combination):
+                section, name = key.split(".", 1)
+                trial[section] = {**(trial.get(section) or {}), name: candidates[key][index]}
+            try:
+                parse_config(trial).training_arguments()
+                passed.update(zip(keys, combination))
+            except ValueError as exc:  # ConfigError included
+                for item in zip(keys, combination):
+                    failures.setdefault(item, str(exc))
+        for (key, index), error in failures.items():
+            if (key, index) not in passed:
+                raise ConfigError(f"tune.param_space.{key}: trials given {candidates[key][index]!r} would fail: "
+                                  f"{error}")
 
     # -- what the trainer needs ---------------------------------------------------------------------------
 
@@ -661,9 +681,7 @@ def check_cluster_fits(scaling: ScalingSection, copies: int = 1) -> None:
         if not node.get("Alive"):
             continue
         have = node.get("Resources", {})
-        if not need:  # a worker that asks for nothing fits anywhere, any number of times
-            return
-        fits = min(int(have.get(k, 0.0) // v) for k, v in need.items())
+        fits = min((int(have.get(k, 0.0) // v) for k, v in need.items()), default=0)
         slots.append(fits)
     placeable = sum(min(n, 1) for n in slots) if scaling.placement_strategy == "STRICT_SPREAD" else sum(slots)
     if scaling.placement_strategy == "STRICT_PACK":

@@ -132,7 +132,7 @@ def _fast_report_polling(interval_s: str = "0.1"):
 def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
     """Start Ray as a training script wants it, on a laptop and on a cluster alike. Returns whether it joined a cluster.
 
-    With `RAY_ADDRESS` set (`ray job submit` sets it for its entrypoint) this joins that cluster, whose size is its
+    With `address=` or `RAY_ADDRESS` set (`ray job submit` sets it for its entrypoint) this joins that cluster, whose size is its
     own: Ray refuses `num_cpus` there, so a script that passed it would fail only once submitted. Otherwise a private
     local Ray starts (never another `ray start` on this machine by accident) with `num_cpus` logical CPUs, by
     default the cores and at least 4: oversubscribing one machine leaves Ray Data CPUs beside the training workers.
@@ -142,8 +142,9 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
 
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS", "local") != "local":
-        ray.init(**kwargs)
+    address = kwargs.pop("address", None) or os.environ.get("RAY_ADDRESS") or "local"
+    if address != "local":
+        ray.init(address=address, **kwargs)
         return True
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **kwargs)
     return False

@@ -305,29 +305,30 @@ def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):
 
 
 def test_sigterm_kept_training_saves_once_and_is_never_forced_out(monkeypatch):
-    """exit_after_sigterm_save=False: once the SIGTERM's checkpoint is saved, later checks ask for no more saves,
-    the grace timer no longer ends the worker, and neither does the end of training. (In this process: the handler
-    is installed on the main thread here, the forced exit is recorded instead of delivered.)"""
+    """exit_after_sigterm_save=False: the SIGTERM's checkpoint is saved at the next check, later checks ask for no
+    more saves, and neither the grace timer nor the end of training ends the worker. (In this process: the handler
+    is installed on the main thread here, the save is recorded instead of written, and so is the forced exit.)"""
     import signal
 
-    from ray_jax_train.checkpoint import signals
+    from ray_jax_train.checkpoint import JaxCheckpointer, signals
 
-    released = []
+    released, saved = [], []
     previous = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(signals, "_sigterm", signals._SigtermState())
     monkeypatch.setattr(signals, "release_sigterm", lambda: released.append(time.time()))
     try:
-        assert signals.install_sigterm_handler(grace_s=0.5)
+        ckpt = JaxCheckpointer(preemption_check_every=1, exit_after_sigterm_save=False, sigterm_grace_s=0.5)
+        ckpt.save = lambda step, state, **kwargs: saved.append(step)
+        assert not ckpt.maybe_save(1, None)
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.time() + 10
         while not signals.sigterm_received() and time.time() < deadline:
             time.sleep(0.01)
-        assert signals.sigterm_received()
-        signals.sigterm_handled()  # what maybe_save does after the save when the worker keeps training
-        assert not signals.sigterm_received()
+        assert ckpt.maybe_save(2, None) and saved == [2]
+        assert not ckpt.maybe_save(3, None)  # the same SIGTERM asks for no second save
         time.sleep(1.0)  # past the grace period
-        signals.deactivate_sigterm_handler()  # training over
-        assert released == []
+        ckpt.close()  # training over
+        assert saved == [2] and released == []
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -344,12 +345,18 @@ def test_resumable_batches_same_global_batches_on_any_mesh():
         seen.append([np.asarray(b["id"]).tolist() for _, b in batches.iterate(0, 14)])
         resumed = [np.asarray(b["id"]).tolist() for _, b in batches.iterate(9, 5)]
         assert resumed == seen[-1][9:]
-        assert batches.position(9) == {"step": 9, "epoch": 1, "batch": 3, "seed": 5}
+        assert batches.position(9) == {"step": 9, "epoch": 1, "batch": 3, "seed": 5, "batch_size": 8,
+                                       "num_rows": 50, "shuffle": True}
     assert seen[0] == seen[1]
     # A checkpoint's position must be where its step falls in this data.
     assert batches.resume_step(batches.position(9)) == 9 and batches.resume_step(None) == 0
-    with pytest.raises(ValueError, match="seed, batch size or row count changed"):
-        ResumableBatches(data, batch_size=4, mesh=meshes[1], seed=5).resume_step(batches.position(9))
+    for changed in ({"batch_size": 4}, {"seed": 6}):  # within epoch 0 too, where epoch and batch would agree
+        for step in (3, 9):
+            with pytest.raises(ValueError, match="seed, batch size, row count or shuffle changed"):
+                ResumableBatches(data, mesh=meshes[1], **{"batch_size": 8, "seed": 5, **changed}).resume_step(
+                    batches.position(step))
+    older = {k: v for k, v in batches.position(9).items() if k in ("step", "epoch", "batch", "seed")}
+    assert batches.resume_step(older) == 9  # a position saved before batch_size/num_rows/shuffle were recorded
     epoch0 = sorted(sum(seen[0][:6], []))
     assert len(set(epoch0)) == 48  # one epoch: each row at most once
     assert seen[0][:6] != seen[0][6:12]  # a new order each epoch

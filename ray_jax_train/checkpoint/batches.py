@@ -74,6 +74,9 @@ class ResumableBatches:
         seed: the shuffle seed; `shuffle=False` keeps the dataset order in every epoch.
         order_by: sort the rows by this (unique) column after reading, so the base order cannot depend on
             how the dataset was read.
+
+    Constructing it is collective: every worker does, in the same order, and they check that they all hold the
+    same rows.
     """
 
     def __init__(
@@ -90,51 +93,59 @@ class ResumableBatches:
         order_by: Optional[str] = None,
         prefetch: int = 2,
     ):
-        check_batch_size(batch_size, mesh, batch_axes)
         self.batch_size = batch_size
         self.mesh = mesh
         self.seed = int(seed)
         self.shuffle = shuffle
         self.prefetch = prefetch
-        self.sharding = batch_sharding(mesh, batch_axes)
-        self.columns = _select(_load_columns(data, columns, order_by), None, dtypes)
-        self.num_rows = len(next(iter(self.columns.values())))
-        self.batches_per_epoch = self.num_rows // batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"{self.num_rows} rows are fewer than one global batch of {batch_size}.")
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
-        self._check_same_rows_everywhere()
+        problem = None
+        try:  # a worker's own failure is shared below, so no worker is left waiting in the exchange
+            check_batch_size(batch_size, mesh, batch_axes)
+            self.sharding = batch_sharding(mesh, batch_axes)
+            self.columns = _select(_load_columns(data, columns, order_by), None, dtypes)
+            self.num_rows = len(next(iter(self.columns.values())))
+            self.batches_per_epoch = self.num_rows // batch_size
+            if self.batches_per_epoch == 0:
+                raise ValueError(f"{self.num_rows} rows are fewer than one global batch of {batch_size}.")
+        except ValueError as exc:
+            problem = str(exc)
+        self._check_same_rows_everywhere(problem)
 
-    def _check_same_rows_everywhere(self) -> None:
+    def _check_same_rows_everywhere(self, problem: Optional[str]) -> None:
         """Every process must hold the same rows in the same order, or each fills its part of a batch from other
         rows and the order is no longer a function of (seed, step): compared through a fingerprint of the row
-        count, the columns and up to 1024 evenly spaced rows (collective: every process constructs its own)."""
+        count, the columns and up to 1024 evenly spaced rows. Any process's own problem fails them all."""
         import hashlib
         import json
 
         from ray_jax_train.checkpoint import _sync
 
-        if _sync.process_count() == 1:
-            return
-        digest = hashlib.sha256(str(self.num_rows).encode())
-        sample = np.unique(np.linspace(0, self.num_rows - 1, num=min(self.num_rows, 1024)).astype(np.int64))
-        for key, column in sorted(self.columns.items()):
-            digest.update(f"{key}:{column.dtype}:{column.shape[1:]}".encode())
-            digest.update(np.ascontiguousarray(column[sample]).tobytes())
-        prints = [json.loads(v) for v in _sync.allgather("resumable_rows", json.dumps(
-            [self.num_rows, digest.hexdigest()]))]
-        if len({tuple(p) for p in prints}) > 1:
+        fingerprint = None
+        if problem is None and _sync.process_count() > 1:
+            digest = hashlib.sha256(str(self.num_rows).encode())
+            sample = np.unique(np.linspace(0, self.num_rows - 1, num=min(self.num_rows, 1024)).astype(np.int64))
+            for key, column in sorted(self.columns.items()):
+                digest.update(f"{key}:{column.dtype}:{column.shape[1:]}".encode())
+                digest.update(np.ascontiguousarray(column[sample]).tobytes())
+            fingerprint = [self.num_rows, digest.hexdigest()]
+        shared = [json.loads(v) for v in _sync.allgather("resumable_rows", json.dumps([problem, fingerprint]))]
+        problems = [f"process {p}: {text}" for p, (text, _) in enumerate(shared) if text]
+        if problems:
+            raise ValueError("ResumableBatches: " + "; ".join(problems))
+        if len({tuple(f) for _, f in shared if f}) > 1:
             raise ValueError(
                 "ResumableBatches: the workers hold different rows (row counts "
-                f"{[p[0] for p in prints]}, or the same count in another order), so the global batches would not be "
-                "a function of (seed, step). Give every worker the whole dataset in one order: "
+                f"{[f[0] for _, f in shared]}, or the same count in another order), so the global batches would not "
+                "be a function of (seed, step). Give every worker the whole dataset in one order: "
                 "DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)), or "
                 "order_by=<a unique column>.")
 
     def position(self, step: int) -> Dict[str, int]:
         """The data position before global batch `step`: what a checkpoint stores as its `data_state`."""
         return {"step": int(step), "epoch": int(step) // self.batches_per_epoch,
-                "batch": int(step) % self.batches_per_epoch, "seed": self.seed}
+                "batch": int(step) % self.batches_per_epoch, "seed": self.seed, "batch_size": self.batch_size,
+                "num_rows": self.num_rows, "shuffle": self.shuffle}
 
     @staticmethod
     def start_step(data_state: Optional[Mapping[str, Any]]) -> int:
@@ -144,11 +155,13 @@ class ResumableBatches:
         """The step to resume at from a checkpoint's `data_state`, checked against this data: another seed, batch
         size or row count would place the step elsewhere in the data and silently replay or skip rows."""
         step = self.start_step(data_state)
-        if data_state and dict(data_state) != self.position(step):
+        here = self.position(step)
+        saved = {k: v for k, v in (data_state or {}).items() if k in here}  # older positions hold fewer keys
+        if saved != {k: here[k] for k in saved}:
             raise ValueError(
-                f"The checkpoint's data position {dict(data_state)} is not where step {step} falls in this data "
-                f"({self.position(step)}): the seed, batch size or row count changed since it was saved. Resume with "
-                "the data settings it was saved with.")
+                f"The checkpoint's data position {saved} does not match this data at step {step} "
+                f"({here}): the seed, batch size, row count or shuffle changed since it was saved. Resume with the "
+                "data settings it was saved with.")
         return step
 
     def _order(self, epoch: int) -> np.ndarray:

@@ -424,7 +424,7 @@ class JaxCheckpointer:
 
     def _name(self, step: int) -> str:
         if self._token is None:
-            self._token = _sync.broadcast("token", secrets.token_hex(4))
+            self._token = _sync.broadcast("token", secrets.token_hex(4), timeout_ms=self._timeout_ms)
         return f"checkpoint_{step:09d}_{self._token}"
 
     def _finish_pending(self) -> None:
@@ -644,11 +644,11 @@ class JaxCheckpointer:
             return None
         return self._restore_first(candidates, target, explicit=False, partial=partial)
 
-    @staticmethod
-    def _agree_on(candidates: List[_Location], listed: bool) -> List[_Location]:
+    def _agree_on(self, candidates: List[_Location], listed: bool) -> List[_Location]:
         """One candidate list on every process: the first whose query to Ray succeeded (`listed`). A process
         walking a shorter list would give up while the others fall back, and leave them waiting."""
-        lists = [json.loads(v) for v in _sync.allgather("candidates", json.dumps([listed, [c.uri for c in candidates]]))]
+        mine = json.dumps([listed, [c.uri for c in candidates]])
+        lists = [json.loads(v) for v in _sync.allgather("candidates", mine, timeout_ms=self._timeout_ms)]
         uris = next((uris for ok, uris in lists if ok), lists[0][1])
         mine = {loc.uri: loc for loc in candidates}
         return [mine[uri] if uri in mine else _location_of(uri) for uri in uris]

@@ -125,6 +125,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     pending: List[Dict[str, Any]] = []  # device metrics since the last log step
     last: Dict[str, float] = {}
+
     def batches_of(epoch: int, skip: int):
         nonlocal first_epoch
         if first_epoch is not None:  # a fresh run's epoch 0, opened before the state was built
