@@ -118,7 +118,8 @@ def iter_jax_batches(
             adds a boolean `mask_key` column that marks real rows (so every batch has the same shape).
         prefetch: batches placed on device ahead of the one being consumed.
         sync: agree with the other processes on the batch count (uneven shards); turn off only when the
-            shards are known to be equal.
+            shards are known to be equal. With it, opening an iterator is collective: every process opens the
+            same iterators in the same order (they are matched by that order).
         skip_batches: global batches to skip first, e.g. those consumed before a resume.
         min_read_rows: rows fetched from Ray Data per read (a multiple of the per-process batch), to amortise
             Ray's per-batch overhead over several steps.
