@@ -150,6 +150,8 @@ class LlamaConfig(_Base):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if data.get("model_type") == "qwen2" and data.get("attention_bias") is None:
+            data["attention_bias"] = True  # Qwen2's q/k/v biases: a qwen2 model without them cannot be exported
         heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
         hidden = data.get("hidden_size", cls.model_fields["hidden_size"].default)
         if data.get("num_key_value_heads") is None:

@@ -41,7 +41,9 @@ def read_records(run_dir: str) -> List[Dict]:
                     records.append(json.loads(line))
                 except json.JSONDecodeError:
                     continue  # a line cut short by a killed run
-    return records
+    # A resumed run logs again the steps after its checkpoint: the later record of a step is the one that counts.
+    last = {record.get("step", ("no step", index)): index for index, record in enumerate(records)}
+    return [records[i] for i in sorted(last.values())]
 
 
 def smooth(values: Sequence[float], weight: float) -> List[float]:

@@ -188,6 +188,15 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys):
     image = matplotlib.image.imread(out.strip())
     assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side
     assert run(["plot", str(tmp_path), "--smoothing", "1.5"], capsys)[0] == 2
+    # A resumed run logs steps after its checkpoint twice: the curves keep the later record of each step.
+    from ray_jax_train.plot import read_records
+
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("\n" + "\n".join(json.dumps({"step": s, "loss": 1.0}) for s in (198, 200, 202)) + "\n")
+    records = read_records(str(tmp_path))
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)) and steps[-3:] == [198, 200, 202]
+    assert [r["loss"] for r in records[-3:]] == [1.0, 1.0, 1.0]
 
 
 def test_entry_points(tmp_path):

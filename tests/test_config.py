@@ -70,6 +70,9 @@ def test_hf_conversion_round_trip():
     assert type(back) is transformers.Qwen2Config
     assert back.rope_parameters["rope_theta"] == 5000.0 and back.num_key_value_heads == 2
     assert LlamaConfig.from_hf(back.to_dict()) == cfg
+    # A qwen2 config built by hand (scaling, the CLI) gets Qwen2's q/k/v biases unless told otherwise.
+    built = LlamaConfig(model_type="qwen2", vocab_size=128, hidden_size=64, num_attention_heads=4)
+    assert (built.attention_bias, built.attention_out_bias) == (True, False) and built.to_hf_dict()
     # Llama's attention_bias means biases on q/k/v *and* o.
     llama = LlamaConfig.from_hf(transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, attention_bias=True))
     assert llama.attention_bias and llama.attention_out_bias

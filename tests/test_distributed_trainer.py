@@ -158,6 +158,10 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
                       packed_rows(4))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
+    with pytest.raises(ValueError, match="qwen2.*save_final_model=False"):  # refused before training, not after
+        RayDistributedTrainer(tokenizer_dir, model_type="qwen2", config_scaling_variables=SCALING,
+                              config_variables={**FIXED, "attention_bias": False}).train(
+            1, args.model_copy(update={"save_final_model": True}), sentences(10))
     with pytest.raises(ValueError, match="step=5 but no opt_state"):
         _, params = split_model(trainer.create_model(scaling_index=1))
         trainer.train(1, args, sentences(10), state={"params": params, "step": 5})

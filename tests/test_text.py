@@ -182,6 +182,16 @@ def test_messages_without_chat_template_is_an_error(tokenizer):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(NoChatTemplateError, match="generation"):
         encode_chats(tok, [CHAT])
+    # Mentioning add_generation_prompt (as nearly every real template does) is not marking assistant turns.
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    with pytest.raises(NoChatTemplateError, match="generation"):
+        encode_chats(tok, [CHAT])
+    # Tags that mark none of the assistant content leave nothing to learn: refused, not trained on zero tokens.
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'nobody' %}{% generation %}"
+                         "x{% endgeneration %}{% endif %}{% endfor %}")
+    with pytest.raises(NoChatTemplateError, match="marked none of an assistant turn"):
+        encode_chats(tok, [CHAT])
     with pytest.raises(NoChatTemplateError):
         process_messages_data(tok, CHAT, 16)
 

@@ -15,12 +15,14 @@ from typing import Callable, Dict, Optional, Union
 # most specific first.
 PEAK_FLOPS = (
     ("h200", 989e12),
+    ("h100 pcie", 756e12),
     ("h100", 989e12),
     ("gh200", 989e12),
     ("b200", 2250e12),
     ("a100", 312e12),
     ("a10g", 125e12),
     ("l40s", 362e12),
+    ("l40", 181e12),
     ("l4", 121e12),
     ("v100", 125e12),
     ("rtx 4090", 165e12),
@@ -47,17 +49,21 @@ def peak_flops_per_device(device=None) -> float:
         if name in kind:
             return flops
     if kind not in _measured:
-        _measured[kind] = measure_matmul_flops(device)
+        # An accelerator missing from the table: its bf16 tensor-core peak, roughly, from a large bf16 matmul
+        # (a small float32 one would measure a fraction of it and read MFU above 100%).
+        on_cpu = getattr(device, "platform", "cpu") == "cpu"
+        _measured[kind] = (measure_matmul_flops(device) if on_cpu
+                           else measure_matmul_flops(device, size=8192, dtype="bfloat16"))
     return _measured[kind]
 
 
-def measure_matmul_flops(device=None, size: int = 512, repeats: int = 5) -> float:
-    """Best-of-`repeats` FLOP/s of a float32 [size x size] matmul on `device` (a fraction of a second)."""
+def measure_matmul_flops(device=None, size: int = 512, repeats: int = 5, dtype: str = "float32") -> float:
+    """Best-of-`repeats` FLOP/s of a [size x size] matmul on `device` (a fraction of a second)."""
     import jax
     import jax.numpy as jnp
 
     device = device or jax.local_devices()[0]
-    x = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    x = jax.device_put(jnp.ones((size, size), dtype), device)
     matmul = jax.jit(lambda a: a @ a)
     matmul(x).block_until_ready()  # compile
     best = math.inf

@@ -145,9 +145,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, accumulat
             def accumulate(carry, micro):
                 (loss_sum, tokens), grads = grad_fn(params, micro)
                 acc_grads, acc_loss, acc_tokens = carry
-                return (jax.tree.map(jnp.add, acc_grads, grads), acc_loss + loss_sum, acc_tokens + tokens), None
+                acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
+                return (acc_grads, acc_loss + loss_sum, acc_tokens + tokens), None
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
+            # float32 sums, whatever the weights' dtype: bf16 sums of k micro-batch gradients lose their low bits
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             carry = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
             (grads, loss_sum, tokens), _ = jax.lax.scan(accumulate, carry, _micro_batches(batch, accumulation_steps))
         denom = jnp.maximum(tokens, 1.0)

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .errors import NoChatTemplateError
 from .tokenizer import check_chat_template
 
 
@@ -50,9 +51,14 @@ def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]]
     convs = [[_clean_message(m) for m in conv] for conv in conversations]
     out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
-    for ids, mask in zip(out["input_ids"], out["assistant_masks"]):
+    for conv, ids, mask in zip(convs, out["input_ids"], out["assistant_masks"]):
         ids = np.asarray(ids, dtype=np.int64)
         mask = np.asarray(mask, dtype=np.int32)
+        if not mask.any() and any(m.get("role") == "assistant" and m.get("content") for m in conv):
+            raise NoChatTemplateError(
+                "the chat template marked none of an assistant turn's tokens for the loss (its {% generation %} "
+                "tags do not surround the assistant content), so training would learn nothing from this data. "
+                "Wrap the assistant content in {% generation %}...{% endgeneration %} (see DEFAULT_CHAT_TEMPLATE).")
         if len(ids) == 0 or ids[-1] != eos:
             ids = np.append(ids, eos)
             mask = np.append(mask, 0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Iterable
 
 from .errors import NoChatTemplateError
@@ -95,6 +96,9 @@ def ensure_pad_token(tokenizer):
     return tokenizer
 
 
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
 def check_chat_template(tokenizer) -> None:
     """Raise ``NoChatTemplateError`` unless the tokenizer can render messages with an assistant mask."""
     template = getattr(tokenizer, "chat_template", None)
@@ -104,7 +108,8 @@ def check_chat_template(tokenizer) -> None:
             "tokenizer.chat_template = ray_jax_train.text.DEFAULT_CHAT_TEMPLATE (and add its role "
             "tokens), train one with ray_jax_train.text.train_tokenizer, or give a text column instead.")
     templates = template.values() if isinstance(template, dict) else [template]
-    if not any("generation" in t for t in templates):
+    # The tag itself, not the word: nearly every chat template mentions `add_generation_prompt`.
+    if not any(_GENERATION_TAG.search(t) for t in templates):
         raise NoChatTemplateError(
             "the tokenizer's chat template does not mark assistant turns with "
             "{% generation %}...{% endgeneration %}, so there is no way to put the loss on assistant "
