@@ -36,6 +36,7 @@ _LAZY = {
     "wait_for_saves": "ray_jax_train.checkpoint",
     "Restored": "ray_jax_train.checkpoint",
     "CheckpointCorruptError": "ray_jax_train.checkpoint",
+    "StorageNotSharedError": "ray_jax_train.checkpoint",
     "CheckpointMismatchError": "ray_jax_train.checkpoint",
     # model parallelism: partition rules for params and optimizer state
     "PartitionRules": "ray_jax_train.sharding",

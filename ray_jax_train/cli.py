@@ -17,7 +17,9 @@ import os
 import sys
 import time
 import warnings
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
+
+from ray_jax_train.storage import absolute, exists
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -187,7 +189,7 @@ def _summary(args, result, info, started: float) -> None:
         lines.append(f"checkpoint:  {result.checkpoint.path} (latest; {kept} kept)")
     else:
         lines.append("checkpoint:  none (set training.save_steps to save some)")
-    if os.path.isdir(os.path.join(run_dir, "final_model")):
+    if exists(os.path.join(run_dir, "final_model")):
         lines.append(f"final model: {os.path.join(run_dir, 'final_model')} (HF safetensors + tokenizer)")
     lines.append(f"resume:      {_resume_hint(args, info['name'])}")
     lines.append(f"plot:        ray-jax-train plot {run_dir}")
@@ -206,7 +208,7 @@ def cmd_tune(args) -> int:
     except (ConfigError, FileNotFoundError):
         raise
     except Exception as exc:
-        return _training_failed(exc, args.verbose, os.path.abspath(config.run.storage_path))
+        return _training_failed(exc, args.verbose, absolute(config.run.storage_path))
     grid = outcome.results
     print("\n=== ray-jax-train: search done ===")
     print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {time.time() - started:.0f}s)")

@@ -28,19 +28,22 @@ _LABELS = {"loss": "train loss", "eval_loss": "eval loss", "learning_rate": "lea
 
 def read_records(run_dir: str) -> List[Dict]:
     """The loop's records; a run directory or a metrics.jsonl path. FileNotFoundError if there is none."""
-    path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    from ray_jax_train.storage import join, read_text
+
+    path = run_dir if run_dir.endswith(".jsonl") else join(run_dir, "metrics.jsonl")
+    try:
+        text = read_text(path)  # a local path or the run's storage URI (gs://, s3://)
+    except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
-                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)")
+                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)") from None
     records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a killed run
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
     # A resumed run logs again the steps after its checkpoint: the later record of a step is the one that counts.
     last = {record.get("step", ("no step", index)): index for index, record in enumerate(records)}
     return [records[i] for i in sorted(last.values())]

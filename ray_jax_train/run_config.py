@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig
 from ray_jax_train.lm.arguments import TrainingArguments
+from ray_jax_train.storage import absolute, is_uri
 
 __all__ = [
     "ConfigError",
@@ -203,7 +204,7 @@ class ExperimentConfig(_Section):
                 if not os.path.exists(path):
                     raise ConfigError(f"data.{which}: file {path!r} does not exist (relative paths are read from "
                                      f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
-        if self.tokenizer.path is not None and not os.path.isdir(self.tokenizer.path):
+        if self.tokenizer.path is not None and not is_uri(self.tokenizer.path) and not os.path.isdir(self.tokenizer.path):
             raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
                              "tokenizer directory, or null to train one at run time")
         if self.model.init_from is not None and "://" not in self.model.init_from:
@@ -263,7 +264,7 @@ class ExperimentConfig(_Section):
     def training_arguments(self, **overrides) -> TrainingArguments:
         s, r = self.scaling, self.run
         values = dict(self.training, num_workers=s.num_workers, num_cpu_devices=s.cpu_devices_per_worker,
-                      use_gpu=s.use_gpu, mesh=s.mesh, output_dir=os.path.abspath(r.storage_path), run_name=r.name,
+                      use_gpu=s.use_gpu, mesh=s.mesh, output_dir=absolute(r.storage_path), run_name=r.name,
                       max_failures=r.max_failures, save_total_limit=r.checkpoints_to_keep)
         values.update(overrides)
         try:
@@ -287,6 +288,22 @@ class ExperimentConfig(_Section):
             return LlamaConfig(model_type=self.model.type, **values)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
+
+    def with_absolute_paths(self) -> "ExperimentConfig":
+        """A copy whose local paths are absolute (URIs as given): for code that runs in another working directory,
+        such as a Tune trial, which Ray moves into a directory of its own."""
+        def fix(value):
+            if value is None or value == "stdlib":
+                return value
+            return [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+
+        return self.model_copy(update={
+            "data": self.data.model_copy(update={"source": fix(self.data.source),
+                                                 "eval_source": fix(self.data.eval_source)}),
+            "tokenizer": self.tokenizer.model_copy(update={"path": fix(self.tokenizer.path)}),
+            "model": self.model.model_copy(update={"init_from": fix(self.model.init_from)}),
+            "run": self.run.model_copy(update={"storage_path": absolute(self.run.storage_path)}),
+        })
 
     def run_name(self) -> str:
         import time
@@ -524,7 +541,10 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str):
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
-    tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=directory)
+    from ray_jax_train.storage import local_dir_for
+
+    with local_dir_for(directory) as local:  # run storage may be a URI: written locally, then copied there
+        tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=local)
     return ensure_pad_token(tokenizer)
 
 
@@ -613,7 +633,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     from ray_jax_train.trainer import JaxTrainer
 
     name = run_name or config.run_name()
-    storage = os.path.abspath(config.run.storage_path)
+    storage = absolute(config.run.storage_path)
     run_dir = os.path.join(storage, name)
     if tokenizer_path is not None:
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
@@ -647,7 +667,8 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         callbacks.append(TensorBoardCallback(os.path.join(run_dir, "tensorboard")))
     trainer = JaxTrainer(
         quiet_train_loop if quiet else train_loop_per_worker,
-        train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets),
+        train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets,
+                                      tokenizer=tokenizer),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
                                      resources_per_worker=s.worker_resources() if custom else None,
                                      placement_strategy=s.placement_strategy),

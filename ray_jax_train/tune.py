@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
                                       check_cluster_fits, ensure_tokenizer, parse_config, read_file)
+from ray_jax_train.storage import absolute
 
 __all__ = ["TuneOutcome", "restore_best", "run", "search_space"]
 
@@ -134,11 +135,12 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     check_cluster_fits(base.scaling)
 
     name = tune_cfg.name or base.run_name().replace(base.model.type, f"tune-{base.model.type}", 1)
-    storage = os.path.abspath(base.run.storage_path)
+    storage = absolute(base.run.storage_path)
     tokenizer_path = base.tokenizer.path or os.path.join(storage, name, "tokenizer")
     if base.tokenizer.path is None:
         ensure_tokenizer(base, tokenizer_path)
-    base_data = base.model_dump(mode="json")
+    # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
+    base_data = base.with_absolute_paths().model_dump(mode="json")
     base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
     base_data["tune"] = None
 

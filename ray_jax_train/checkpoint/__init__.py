@@ -7,6 +7,7 @@ uninterrupted one. See `core.py` for the design.
 from ray_jax_train.checkpoint.batches import ResumableBatches
 from ray_jax_train.checkpoint.core import (
     CheckpointCorruptError,
+    StorageNotSharedError,
     CheckpointMismatchError,
     JaxCheckpointer,
     Restored,
@@ -21,6 +22,7 @@ from ray_jax_train.checkpoint.signals import FAULTS_ENV
 __all__ = [
     "FAULTS_ENV",
     "CheckpointCorruptError",
+    "StorageNotSharedError",
     "CheckpointMismatchError",
     "JaxCheckpointer",
     "Restored",

@@ -44,6 +44,10 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _NAME_RE = re.compile(r"^checkpoint_(\d{9})_([0-9a-f]{8})$")
 
 
+class StorageNotSharedError(RuntimeError):
+    """The workers do not all see the run's storage directory (a node-local path on a multi-node cluster)."""
+
+
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint directory that cannot be restored: missing files, unreadable data or a checksum mismatch."""
 
@@ -186,9 +190,9 @@ def _location_of(checkpoint) -> _Location:
 
 
 def _abspath(path: str) -> str:
-    import os
+    from ray_jax_train.storage import absolute
 
-    return os.path.abspath(path)
+    return absolute(path)
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -404,6 +408,7 @@ class JaxCheckpointer:
         self._last_saved_step: Optional[int] = None
         self._ray_preemption_saved = False
         self._location: Optional[_Location] = None
+        self._storage_checked = False
         if handle_preemption:
             signals.install_sigterm_handler(sigterm_grace_s)
 
@@ -414,6 +419,35 @@ class JaxCheckpointer:
         if self._location is None:
             self._location = _run_location()
         return self._location
+
+    def _check_shared_storage(self) -> None:
+        """Once, collectively: every process must see the run directory that process 0 writes in.
+
+        A node-local storage_path on a multi-node cluster would split each checkpoint over the nodes' disks:
+        saves look fine, and the first restore after losing a node finds half a checkpoint. Ray's own check
+        for this never runs, since our checkpoints reach storage without Ray's upload.
+        """
+        if self._storage_checked:
+            return
+        self._storage_checked = True
+        import os
+
+        import pyarrow.fs as pafs
+
+        from ray_jax_train import storage
+
+        loc = self.location
+        if _sync.process_count() == 1 or not isinstance(loc.filesystem, pafs.LocalFileSystem):
+            return
+        marker, token = os.path.join(loc.fs_path, storage.MARKER_NAME), ""
+        if _sync.process_index() == 0:
+            marker, token = storage.write_marker(loc.fs_path)
+        token = _sync.broadcast("storage-token", token, timeout_ms=self._timeout_ms)
+        problems = _sync.allgather("storage", storage.marker_problem(marker, token) or "",
+                                   timeout_ms=self._timeout_ms)
+        bad = [f"process {i}: {problem}" for i, problem in enumerate(problems) if problem]
+        if bad:
+            raise StorageNotSharedError("; ".join(bad))
 
     def _checkpointer(self):
         if self._orbax is None:
@@ -492,6 +526,7 @@ class JaxCheckpointer:
         from ray.train.v2.api.report_config import CheckpointUploadMode
 
         step = int(step)
+        self._check_shared_storage()
         metrics = dict(metrics() if callable(metrics) else (metrics or {}))
         metrics["step"] = step  # the checkpoint's own step, which restores order candidates by, not a logged one
         if self._last_saved_step == step:
@@ -631,6 +666,7 @@ class JaxCheckpointer:
 
         if checkpoint is not None:
             return self._restore_first([_location_of(checkpoint)], target, explicit=True, partial=partial)
+        self._check_shared_storage()
         latest = ray.train.get_checkpoint()
         reported = self._reported_locations() if (fallback or cleanup) else []
         if cleanup and reported is not None and _sync.process_index() == 0:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, ModelScaling, canonical_dtype
 from ray_jax_train.lm.arguments import TrainingArguments
+from ray_jax_train.storage import absolute
 
 logger = logging.getLogger(__name__)
 
@@ -264,12 +265,13 @@ class RayDistributedTrainer:
         trainer = JaxTrainer(
             train_loop_per_worker,
             train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
+                                          tokenizer=tokenizer,
                                           **self._extra_loop_config),
             scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
             jax_config=JaxConfig(num_cpu_devices=args.num_cpu_devices),
             run_config=RunConfig(
                 name=run_name,
-                storage_path=os.path.abspath(args.output_dir) if args.output_dir else None,
+                storage_path=absolute(args.output_dir) if args.output_dir else None,
                 checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
                 failure_config=FailureConfig(max_failures=args.max_failures),
             ),
@@ -277,9 +279,6 @@ class RayDistributedTrainer:
         )
         result = trainer.fit()
         self.last_result = result
-        final = os.path.join(result.path, "final_model")
-        if tokenizer is not None and os.path.isdir(final):
-            tokenizer.save_pretrained(final)
         return result
 
     # Extra keys merged into the loop config (tests set {"record_dir": ...}).

@@ -7,6 +7,7 @@ Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CL
     init          starting point from `state.init_spec` (default: a new model)
     columns       dataset columns to feed (default: the packed-row columns)
     has_eval      whether an "eval" dataset was given
+    tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model (optional)
     record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
@@ -32,10 +33,16 @@ STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses
 
 
 def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], columns: List[str], has_eval: bool,
-                /, **extra: Any) -> Dict[str, Any]:
-    """The `train_loop_config` that `train_loop_per_worker` reads (keys in the module docstring); `extra` wins."""
+                /, tokenizer=None, **extra: Any) -> Dict[str, Any]:
+    """The `train_loop_config` that `train_loop_per_worker` reads (keys in the module docstring); `extra` wins.
+
+    The tokenizer goes to the object store: rank 0, on whichever node, saves it into `final_model/`.
+    """
+    import ray
+
+    tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and args.save_final_model else None
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
-            "init": init, "columns": list(columns), "has_eval": has_eval, **extra}
+            "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref, **extra}
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> None:
@@ -105,7 +112,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     eval_step = _with_mesh(mesh, jax.jit(make_eval_step(graphdef)))
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device)
-    run_dir = _local_run_dir()
+    outputs = RunOutputs.of_this_run()
+    metrics_file = outputs.metrics_file() if rank0 else None
     progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
 
     def evaluate() -> Dict[str, float]:
@@ -165,8 +173,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     throughput.start()  # eval time is not training throughput
                 last = {k: v for k, v in record.items() if k not in STARTUP_KEYS}  # re-sent with checkpoints
                 progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
-                if rank0:
-                    _append_jsonl(run_dir, record)
+                if metrics_file is not None:
+                    metrics_file.append(json.dumps(record))
                 ray.train.report(record)
             if checkpointer is not None:
                 checkpointer.maybe_save(step, state, metrics=lambda: dict(last), data_state=dict(position))
@@ -179,12 +187,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
         checkpointer.close()
     recorder.params("final_params", state["params"])
-    if args.save_final_model and run_dir is not None:
+    if args.save_final_model:
         from flax import nnx
 
-        from ray_jax_train.models import save_pretrained
-
-        save_pretrained(nnx.merge(graphdef, state["params"]), os.path.join(run_dir, "final_model"))
+        outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
 
 
 def epoch_batches(open_epoch: Callable[[int, int], Iterator], epoch: int, skip: int, batch_size: int):
@@ -300,23 +306,40 @@ def _checkpointer(args):
     return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps))
 
 
-def _local_run_dir() -> Optional[str]:
-    """The run's storage directory when it is on a local/shared filesystem (where outputs are written)."""
-    import pyarrow.fs as pafs
-    import ray.train
+class RunOutputs:
+    """Where the loop writes `metrics.jsonl` and `final_model/`: the run's directory in Ray's storage, a shared
+    path or a URI (gs://, s3://) alike, so the outputs do not depend on which node rank 0 runs on."""
 
-    storage = ray.train.get_context().get_storage()
-    if not isinstance(storage.storage_filesystem, pafs.LocalFileSystem):
-        logger.warning("Run storage is not a local filesystem; metrics.jsonl and final_model are not written.")
-        return None
-    os.makedirs(storage.experiment_fs_path, exist_ok=True)
-    return storage.experiment_fs_path
+    def __init__(self, filesystem, run_path: str):
+        self.filesystem, self.run_path = filesystem, run_path.rstrip("/")
 
+    @classmethod
+    def of_this_run(cls) -> "RunOutputs":
+        import ray.train
 
-def _append_jsonl(run_dir: Optional[str], record: Dict[str, Any]) -> None:
-    if run_dir is not None:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        storage = ray.train.get_context().get_storage()
+        return cls(storage.storage_filesystem, storage.experiment_fs_path)
+
+    def metrics_file(self):
+        from ray_jax_train.storage import AppendOnlyFile
+
+        return AppendOnlyFile(self.filesystem, f"{self.run_path}/metrics.jsonl")
+
+    def save_final_model(self, model, tokenizer_ref, rank0: bool) -> None:
+        """HF safetensors and the tokenizer. Every process calls it (gathering sharded params is collective)."""
+        import ray
+
+        from ray_jax_train.models import save_pretrained
+        from ray_jax_train.storage import local_dir_for
+
+        final = f"{self.run_path}/final_model"
+        if not rank0:
+            save_pretrained(model, final)  # takes part in the gather; only process 0 writes
+            return
+        with local_dir_for(final, self.filesystem) as local:
+            save_pretrained(model, local)
+            if tokenizer_ref is not None:
+                ray.get(tokenizer_ref).save_pretrained(local)
 
 
 class _Recorder:

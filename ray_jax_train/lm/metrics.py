@@ -147,8 +147,10 @@ def read_metrics(run_dir) -> list:
     """The per-log-step records the loop wrote to `<run dir>/metrics.jsonl` (empty list if none)."""
     import os
 
-    path = os.path.join(os.fspath(run_dir), "metrics.jsonl")
-    if not os.path.exists(path):
+    from ray_jax_train.storage import join, read_text
+
+    try:
+        text = read_text(join(os.fspath(run_dir), "metrics.jsonl"))  # a local path or a storage URI
+    except FileNotFoundError:
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

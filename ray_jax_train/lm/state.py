@@ -198,8 +198,10 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
         step, opt_state = int(given.get("step") or 0), given.get("opt_state")
         params = shard_state(params, mesh)
     elif source == "hf":
+        _check_visible_here(init["path"])
         params = shard_state(load_hf_params(init["path"], config), mesh)
     else:
+        _check_visible_here(init["path"])
         params = restore_params(init["path"], config, optimizer, mesh, new_state_fn)
 
     shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
@@ -263,6 +265,20 @@ def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) 
             return {"source": weights_dir_kind(path), "path": path}
         return {"source": "checkpoint", "path": path}
     return {"source": "scratch"}
+
+
+def _check_visible_here(path: str) -> None:
+    """The driver checked the starting weights exist; a worker on another node may still not see them."""
+    if "://" in path or os.path.exists(path):
+        return
+    import socket
+
+    import jax
+
+    raise FileNotFoundError(
+        f"{path}: the starting weights are not on this worker's node ({socket.gethostname()}, process "
+        f"{jax.process_index()}), though the driver found them. On a multi-node cluster put them where every node "
+        "reads them: a shared mount, or a gs:// / s3:// URI for an orbax checkpoint.")
 
 
 def weights_dir_kind(path: str) -> str:

@@ -7,7 +7,6 @@ from a local directory or from one copy in the object store, not shipped with ev
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -108,9 +107,10 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     kind = resolved[0] if resolved else None
     if kind == "messages":
         check_chat_template(tok)
-    # One copy in the object store, fetched once per actor. The ref is nested in a list so Ray
-    # inlines the constructor args (keeping actor restarts possible) instead of resolving it.
-    handle = os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else [ray.put(tok)]
+    # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
+    # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
+    # constructor args (keeping actor restarts possible) instead of resolving it.
+    handle = [ray.put(tok)]
     if isinstance(concurrency, tuple):
         compute = ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
     else:

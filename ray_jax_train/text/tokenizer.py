@@ -68,9 +68,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
 
 
 def load_tokenizer(tokenizer_or_path):
-    """Return a tokenizer: the object itself, or one loaded from a local directory (never the Hub)."""
+    """Return a tokenizer: the object itself, or one loaded from a local directory or a storage URI (never the Hub)."""
     if isinstance(tokenizer_or_path, (str, os.PathLike)):
         path = os.fspath(tokenizer_or_path)
+        if "://" in path:
+            return _load_from_uri(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; save one with "
                                     f"tokenizer.save_pretrained(dir) or train_tokenizer(..., save_dir=dir)")
@@ -78,6 +80,20 @@ def load_tokenizer(tokenizer_or_path):
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     return tokenizer_or_path
+
+
+def _load_from_uri(uri: str):
+    """A tokenizer saved in run storage (gs://, s3://): copied to a temporary directory, then loaded."""
+    import tempfile
+
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"tokenizer directory {uri!r} does not exist")
+    with tempfile.TemporaryDirectory(prefix="rjt_tokenizer_") as local:
+        pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        return load_tokenizer(local)
 
 
 def ensure_pad_token(tokenizer):

@@ -1,0 +1,165 @@
+"""Run outputs in Ray Train's storage, local path or URI alike, and a check that every node sees the same storage.
+
+A multi-node run writes checkpoints, metrics and models from several nodes into one run directory. That only
+works when the storage is a URI (gs://, s3://) or a path every node mounts; a node-local `./runs` silently
+splits a checkpoint over disks and loses it with the node. Ray's own check for this is skipped by our
+checkpoint upload, so the backend checks it: the driver writes a token the workers must read back.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
+
+MARKER_NAME = ".ray_jax_train_storage_check"
+
+
+def is_uri(path: str) -> bool:
+    return "://" in str(path)
+
+
+def absolute(path: str) -> str:
+    """An absolute local path; a URI unchanged (`os.path.abspath('gs://b/x')` would make a local 'gs:' folder)."""
+    path = os.fspath(path)
+    if is_uri(path):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def filesystem(path: str):
+    """(pyarrow filesystem, path within it) for a local path or a URI."""
+    import pyarrow.fs as pafs
+
+    if is_uri(path):
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), absolute(path)
+
+
+def join(base: str, *parts: str) -> str:
+    """`os.path.join` that keeps a URI's scheme and slashes."""
+    if is_uri(base):
+        return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
+    return os.path.join(base, *parts)
+
+
+def exists(path: str) -> bool:
+    """Whether a file or directory is there, local path or URI (False when storage cannot be reached)."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, fs_path = filesystem(path)
+        return fs.get_file_info(fs_path).type != pafs.FileType.NotFound
+    except (OSError, ValueError):
+        return False
+
+
+def read_text(path: str) -> str:
+    """A text file's contents, local path or URI; FileNotFoundError when it is not there."""
+    import pyarrow.fs as pafs
+
+    fs, fs_path = filesystem(path)
+    if fs.get_file_info(fs_path).type != pafs.FileType.File:
+        raise FileNotFoundError(path)
+    with fs.open_input_stream(fs_path) as f:
+        return f.read().decode()
+
+
+@contextmanager
+def local_dir_for(destination: str, fs=None) -> Iterator[str]:
+    """A local directory to write into; on exit its files are copied to `destination` when that is remote.
+
+    `fs` is the destination's pyarrow filesystem when `destination` is a path within it (as Ray's storage
+    context gives them); otherwise `destination` is a local path or a URI.
+    """
+    import pyarrow.fs as pafs
+
+    if fs is None:
+        fs, destination = filesystem(destination)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(destination, exist_ok=True)
+        yield destination
+        return
+    staging = tempfile.mkdtemp(prefix="rjt_upload_")
+    try:
+        yield staging
+        fs.create_dir(destination, recursive=True)
+        pafs.copy_files(staging, destination, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class AppendOnlyFile:
+    """A text file in run storage that grows by lines: appended locally, rewritten whole on object stores.
+
+    Object stores have no append; metrics files are small, so rewriting the file on each flush is cheap
+    enough, and lines an earlier (restarted) attempt wrote are kept.
+    """
+
+    def __init__(self, fs, path: str):
+        import pyarrow.fs as pafs
+
+        self._fs, self._path = fs, path
+        self._local = isinstance(fs, pafs.LocalFileSystem)
+        self._lines = b""
+        parent = path.rsplit("/", 1)[0]
+        if self._local:
+            os.makedirs(parent, exist_ok=True)
+            return
+        fs.create_dir(parent, recursive=True)
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            with fs.open_input_stream(path) as f:
+                self._lines = f.read()
+
+    def append(self, line: str) -> None:
+        data = (line.rstrip("\n") + "\n").encode()
+        if self._local:
+            with open(self._path, "ab") as f:
+                f.write(data)
+            return
+        self._lines += data
+        with self._fs.open_output_stream(self._path) as f:
+            f.write(self._lines)
+
+
+def run_storage_dir(run_config) -> Optional[str]:
+    """The run's directory when its storage is a local path (the case a node-local disk can break); else None."""
+    if run_config is None or getattr(run_config, "storage_filesystem", None) is not None:
+        return None
+    storage = str(run_config.storage_path or "")
+    if storage.startswith("file://"):
+        storage = storage[len("file://"):]
+    if not storage or is_uri(storage):
+        return None
+    return os.path.join(absolute(storage), run_config.name)
+
+
+def write_marker(run_dir: str) -> Tuple[str, str]:
+    """Driver side: a fresh token in the run directory. Returns (marker path, token)."""
+    os.makedirs(run_dir, exist_ok=True)
+    token = uuid.uuid4().hex
+    path = os.path.join(run_dir, MARKER_NAME)
+    with open(path, "w") as f:
+        f.write(token)
+    return path, token
+
+
+def marker_problem(path: str, token: str) -> Optional[str]:
+    """Worker side: why this node does not see the driver's storage, or None when it does."""
+    try:
+        with open(path) as f:
+            seen = f.read().strip()
+    except OSError:
+        seen = None
+    if seen == token:
+        return None
+    import socket
+
+    what = "is missing" if seen is None else "holds another run's token"
+    return (f"run storage {os.path.dirname(path)} is not shared with this node ({socket.gethostname()}): the "
+            f"driver's check file {what} here. On a multi-node cluster, Ray Train's storage_path must be a "
+            "directory every node mounts (NFS, a cluster filesystem) or a URI such as gs://bucket/runs or "
+            "s3://bucket/runs; otherwise checkpoints are split over node-local disks and lost with a node "
+            "(see docs/cluster.md).")

@@ -1,0 +1,103 @@
+"""Run storage that is not a local path: URIs stay URIs, outputs reach object-store-like filesystems, and a
+node that does not see the driver's storage is told so.
+
+`SubTreeFileSystem` over a temporary directory stands in for an object store: it is not pyarrow's
+`LocalFileSystem`, so the code takes the same path it takes for gs:// or s3:// (no network here).
+"""
+import json
+import os
+
+import pyarrow.fs as pafs
+import pytest
+
+from ray_jax_train import storage
+from ray_jax_train.lm.loop import RunOutputs
+from ray_jax_train.lm.metrics import read_metrics
+from ray_jax_train.plot import read_records
+from ray_jax_train.run_config import ExperimentConfig
+from ray_jax_train.text import load_tokenizer, train_tokenizer
+
+
+def object_store(root):
+    os.makedirs(root, exist_ok=True)
+    return pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem())
+
+
+def test_absolute_keeps_uris_and_anchors_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert storage.absolute("gs://bucket/runs") == "gs://bucket/runs"  # abspath would give <cwd>/gs:/bucket/runs
+    assert storage.absolute("runs") == str(tmp_path / "runs")
+    assert storage.join("gs://bucket/runs/", "name", "metrics.jsonl") == "gs://bucket/runs/name/metrics.jsonl"
+    config = ExperimentConfig.model_validate({"data": {"source": ["a.jsonl"], "eval_source": "s3://b/e.jsonl"},
+                                              "tokenizer": {"path": "tok"}, "model": {"init_from": "ckpt"},
+                                              "run": {"storage_path": "gs://bucket/runs"}})
+    fixed = config.with_absolute_paths()  # what a Tune search hands its trials, which run in other directories
+    assert fixed.data.source == [str(tmp_path / "a.jsonl")] and fixed.data.eval_source == "s3://b/e.jsonl"
+    assert fixed.tokenizer.path == str(tmp_path / "tok") and fixed.model.init_from == str(tmp_path / "ckpt")
+    assert fixed.run.storage_path == "gs://bucket/runs"
+    assert ExperimentConfig.model_validate({}).with_absolute_paths().data.source == "stdlib"
+
+
+def test_metrics_on_an_object_store_keep_an_earlier_attempts_lines(tmp_path):
+    fs = object_store(tmp_path / "bucket")
+    first = RunOutputs(fs, "/run").metrics_file()
+    first.append(json.dumps({"step": 1, "loss": 3.0}))
+    first.append(json.dumps({"step": 2, "loss": 2.5}))
+    again = RunOutputs(fs, "/run").metrics_file()  # a restarted attempt: no append on object stores
+    again.append(json.dumps({"step": 2, "loss": 2.4}))
+    lines = (tmp_path / "bucket" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["loss"] for line in lines] == [3.0, 2.5, 2.4]
+    # Readers take URIs too; the later record of a repeated step wins.
+    uri = f"file://{tmp_path / 'bucket' / 'run'}"
+    assert [r["loss"] for r in read_records(uri)] == [3.0, 2.4]
+    assert len(read_metrics(uri)) == 3 and read_metrics(f"file://{tmp_path}/nothing") == []
+
+
+def test_final_model_and_tokenizer_reach_an_object_store(ray_cluster, tmp_path):
+    import ray
+    from flax import nnx
+
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.models import LlamaForCausalLM, from_pretrained
+
+    tokenizer = train_tokenizer(["one two three four five six seven"] * 50, vocab_size=280)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    fs = object_store(tmp_path / "bucket")
+    RunOutputs(fs, "/run").save_final_model(model, ray.put(tokenizer), rank0=True)
+    final = tmp_path / "bucket" / "run" / "final_model"
+    assert not list(tmp_path.glob("rjt_upload_*"))
+    loaded = from_pretrained(str(final))
+    same = jax_tree_equal(nnx.state(model, nnx.Param), nnx.state(loaded, nnx.Param))
+    assert same, "the exported weights differ from the model's"
+    # The tokenizer saved beside them loads back from a storage URI (copied down first).
+    again = load_tokenizer(f"file://{final}")
+    assert again("three four")["input_ids"] == tokenizer("three four")["input_ids"]
+
+
+def jax_tree_equal(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_marker_names_a_node_that_does_not_see_the_storage(tmp_path):
+    path, token = storage.write_marker(str(tmp_path / "run"))
+    assert storage.marker_problem(path, token) is None
+    stale = storage.marker_problem(path, "a-token-from-another-run")  # a node-local dir left by an earlier run
+    assert stale and "another run's token" in stale and "gs://" in stale
+    missing = storage.marker_problem(str(tmp_path / "elsewhere" / storage.MARKER_NAME), token)
+    assert missing and "is missing" in missing and "not shared" in missing
+
+
+def test_uri_tokenizer_path_is_accepted_by_the_config_check(tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    train_tokenizer(["alpha beta gamma"] * 30, vocab_size=270, save_dir=str(tokenizer_dir))
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    parse_config({"tokenizer": {"path": f"file://{tokenizer_dir}"}})  # a URI is not a local directory to test
+    with pytest.raises(ConfigError, match="tokenizer.path"):
+        parse_config({"tokenizer": {"path": str(tmp_path / "missing")}})
