@@ -46,7 +46,11 @@ class JaxConfig(BackendConfig):
         cpu_affinity: pin each CPU worker to its own cores (local rank x CPUs per worker). XLA's CPU thread
             pool sizes itself from the affinity mask, so without pinning N workers on one node oversubscribe it.
             Opt-in: two trainers sharing a node (e.g. Tune trials) would pin onto the same cores.
-        initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts.
+        initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts;
+            shutdown_timeout_s=None takes `JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S` from the driver (as Ray does), else 60.
+        distributed: False leaves `jax.distributed` alone: each worker is its own JAX process (as Ray's
+            JaxTrainer on CPU), for loops that call `jax.distributed.initialize` themselves or want independent
+            workers. The other settings still apply; `get_mesh()` then spans the worker's own devices.
     """
 
     use_tpu: bool = False
@@ -64,7 +68,8 @@ class JaxConfig(BackendConfig):
     cpu_affinity: bool = False
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
-    shutdown_timeout_s: int = 60
+    shutdown_timeout_s: Optional[int] = None
+    distributed: bool = True
 
     def __post_init__(self):
         if self.platform is not None:
@@ -120,12 +125,29 @@ class JaxConfig(BackendConfig):
             "use_gpu": self.use_gpu,
             "platform": self.platform,
             "num_cpu_devices": self.num_cpu_devices,
+            "distributed": self.distributed,
         }
 
-    def worker_env(self) -> Dict[str, str]:
-        """The environment each worker gets before JAX starts, derived from this config."""
+    def worker_env(self, environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+        """The environment each worker gets before JAX starts, derived from this config.
+
+        `environ` is the worker's own environment: a `JAX_PLATFORMS` there (runtime_env, or inherited) is kept
+        when it agrees with the platform, e.g. "cuda,cpu" so that `jax.devices("cpu")` still works.
+        """
         env = dict(self.env_vars)
-        env["JAX_PLATFORMS"] = _JAX_PLATFORM_NAME[self.platform or "cpu"]
+        platform = self.platform or "cpu"
+        env["JAX_PLATFORMS"] = _JAX_PLATFORM_NAME[platform]
+        for source, value in (("JaxConfig(env_vars=...)", self.env_vars.get("JAX_PLATFORMS")),
+                              ("the worker's environment", (environ or {}).get("JAX_PLATFORMS"))):
+            if value and value.strip():
+                if _leads_with(value, platform):
+                    env["JAX_PLATFORMS"] = value.strip()
+                elif environ is not None:
+                    # The raylet's environment (e.g. a driver that keeps itself on CPU) is not this run's choice;
+                    # values the driver sees are checked there (resolve_jax_config) and never get here.
+                    logger.info("JAX_PLATFORMS=%r from %s does not lead with the run's platform %r; using %r.",
+                                value, source, platform, env["JAX_PLATFORMS"])
+                break
         flags = list(self.xla_flags)
         if flags:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))] + flags).strip()
@@ -136,6 +158,21 @@ class JaxConfig(BackendConfig):
         if self.compilation_cache and self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
         return env
+
+
+def _leads_with(jax_platforms: str, platform: str) -> bool:
+    """Whether a `JAX_PLATFORMS` value makes `platform` JAX's default backend (JAX gives the first entry priority)."""
+    first = jax_platforms.split(",")[0].strip().lower()
+    return _PLATFORM_FROM_JAX.get(first) == platform
+
+
+def _user_jax_platforms(config: JaxConfig, run_config) -> List[tuple]:
+    """(where, value) of the `JAX_PLATFORMS` values the driver knows the workers will get, in precedence order."""
+    found = [("JaxConfig(env_vars=...)", config.env_vars.get("JAX_PLATFORMS"))]
+    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
+    if isinstance(worker_env, dict):
+        found.append(("RunConfig(worker_runtime_env=...)", (worker_env.get("env_vars") or {}).get("JAX_PLATFORMS")))
+    return [(where, value.strip()) for where, value in found if value and value.strip()]
 
 
 def _usable_cores() -> List[int]:
@@ -153,7 +190,7 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
         elif config.use_gpu:
             config.platform = "gpu"
         else:
-            config.platform = _platform_from_env(run_config) or "cpu"
+            config.platform = _platform_from_env(config, run_config) or "cpu"
     if config.platform == "gpu" and not _requests_gpus(scaling_config):
         raise ValueError(
             "JaxConfig(platform='gpu') but the ScalingConfig gives the workers no GPU, so JAX would find none. "
@@ -164,30 +201,48 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "
             "TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)."
         )
+    for where, value in _user_jax_platforms(config, run_config):
+        if not _leads_with(value, config.platform):
+            name = _JAX_PLATFORM_NAME[config.platform]
+            raise ValueError(
+                f"JAX_PLATFORMS={value!r} in {where} contradicts the platform {config.platform!r} this run uses "
+                "(JaxConfig(platform=...), ScalingConfig(use_gpu/use_tpu)): JAX in the workers would default to "
+                f"{value.split(',')[0].strip()!r}. Remove it, or start it with {name!r} (e.g. '{name},cpu'), or "
+                "choose the platform it names."
+            )
+    if config.shutdown_timeout_s is None:
+        # Ray's JaxTrainer honours this variable (its default is 30 s); ours stays 60 s unless it is set.
+        from ray._private import ray_constants
+        from ray.train.constants import JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S
+
+        config.shutdown_timeout_s = ray_constants.env_integer(JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S, 60)
     devices = _global_device_count(config, scaling_config)
     if config.mesh is not None and devices is not None:
         from ray_jax_train.mesh import resolve_axes
 
+        who = "the workers" if config.distributed else "each worker (distributed=False)"
         try:
             resolve_axes(config.mesh, devices)
         except ValueError as exc:
-            raise ValueError(f"JaxConfig(mesh=...) does not fit the {devices} devices the workers will have: {exc}")
+            raise ValueError(f"JaxConfig(mesh=...) does not fit the {devices} devices {who} will have: {exc}")
     return config
 
 
 def _global_device_count(config: JaxConfig, scaling_config) -> Optional[int]:
-    """The job's device count where the driver can know it: CPU devices or GPUs per worker, times the workers.
-    None for TPU (chips per host vary), multi-slice meshes, elastic worker counts and hand-set device counts."""
+    """The job's device count where the driver can know it: CPU devices or GPUs per worker, times the workers
+    (one worker's with distributed=False). None for TPU (chips per host vary), multi-slice meshes, elastic worker
+    counts, local mode (num_workers=0) and hand-set device counts."""
     workers = scaling_config.num_workers
     settings = " ".join([*config.xla_flags, *map(str, config.env_vars.values())])
     hand_set = "xla_force_host_platform_device_count" in settings
-    if not isinstance(workers, int) or config.dcn_mesh is not None or hand_set:
+    if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None or hand_set:
         return None
+    processes = workers if config.distributed else 1
     if config.platform == "cpu":
-        return workers * config.num_cpu_devices
+        return processes * config.num_cpu_devices
     if config.platform == "gpu":
         gpus = (scaling_config.resources_per_worker or {}).get("GPU") or 1
-        return workers * int(gpus) if float(gpus).is_integer() else None
+        return processes * int(gpus) if float(gpus).is_integer() else None
     return None
 
 
@@ -195,12 +250,10 @@ def _requests_gpus(scaling_config) -> bool:
     return bool(scaling_config.use_gpu or (scaling_config.resources_per_worker or {}).get("GPU", 0))
 
 
-def _platform_from_env(run_config) -> Optional[str]:
-    env = {}
-    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
-    if isinstance(worker_env, dict):
-        env = worker_env.get("env_vars") or {}
-    value = env.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORMS", "")
+def _platform_from_env(config: JaxConfig, run_config) -> Optional[str]:
+    """The platform a user-set JAX_PLATFORMS names: JaxConfig(env_vars), the workers' runtime_env, the driver's."""
+    values = [value for _, value in _user_jax_platforms(config, run_config)]
+    value = (values or [os.environ.get("JAX_PLATFORMS", "")])[0]
     first = value.split(",")[0].strip().lower()
     return _PLATFORM_FROM_JAX.get(first) if first else None
 
@@ -247,7 +300,7 @@ def _setup_worker(
     """Runs on each worker: environment first, then `jax.distributed.initialize`."""
     if cores:
         os.sched_setaffinity(0, cores)
-    env = config.worker_env()
+    env = config.worker_env(os.environ)
     for key, value in env.items():
         os.environ[key] = value
     for key, value in slice_env.items():
@@ -287,6 +340,11 @@ def _setup_worker(
         jax.config.update("jax_enable_compilation_cache", False)
     _count_cache_hits()
 
+    if not config.distributed:
+        _state.config = config
+        # Ask JAX nothing here: that would start its backend, and the loop's own jax.distributed.initialize
+        # must come first.
+        return {}
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=num_processes,
@@ -415,6 +473,9 @@ class _JaxBackend(Backend):
             for rank in range(num_workers)
         ]
         infos = ray.get(futures)
+        if not backend_config.distributed:
+            logger.info("%d independent JAX processes (%s, distributed=False).", num_workers, backend_config.platform)
+            return
         counts = {info["process_count"] for info in infos}
         if counts != {num_workers}:
             raise RuntimeError(f"jax.distributed came up with process counts {counts}, expected {num_workers}.")
@@ -460,6 +521,8 @@ class _JaxBackend(Backend):
         return num_slices, workers_per_slice
 
     def on_shutdown(self, worker_group, backend_config: JaxConfig):
+        if not backend_config.distributed:  # the loop may own a jax.distributed job of its own; leave it be
+            return
         futures = worker_group.execute_async(_shutdown_worker)
         try:
             ray.get(futures, timeout=backend_config.shutdown_timeout_s + 5)

@@ -105,6 +105,10 @@ def get_mesh():
     """In a JaxTrainer worker: the mesh from `JaxConfig(mesh=...)`, or a 1-D `dp` mesh over all devices."""
     from ray_jax_train.backend import worker_config
 
+    import jax
+
     config = worker_config()
     axes = config.mesh if config is not None and config.mesh else {"dp": -1}
-    return make_mesh(axes, dcn=getattr(config, "dcn_mesh", None))
+    # distributed=False: the worker is its own job, even if the loop later starts a jax.distributed job of its own.
+    devices = jax.local_devices() if config is not None and not config.distributed else None
+    return make_mesh(axes, devices, dcn=getattr(config, "dcn_mesh", None))

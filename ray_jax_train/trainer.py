@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
+import math
 import os
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -11,6 +13,8 @@ from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config
+
+logger = logging.getLogger(__name__)
 
 
 def check_train_loop(fn: Callable) -> None:
@@ -53,12 +57,14 @@ class JaxTrainer(DataParallelTrainer):
     ):
         check_train_loop(train_loop_per_worker)
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
-        if jax_config is not None and not isinstance(jax_config, JaxConfig):
-            # Ray's own JaxConfig carries only use_tpu/use_gpu: keep their meaning.
-            jax_config = JaxConfig(
-                use_tpu=getattr(jax_config, "use_tpu", False), use_gpu=getattr(jax_config, "use_gpu", False)
-            )
+        jax_config = _as_our_jax_config(jax_config)
         jax_config = resolve_jax_config(jax_config, scaling_config, run_config)
+        if scaling_config.num_workers == 0:
+            logger.warning(
+                "ScalingConfig(num_workers=0) is Ray's local mode: the loop runs in this process and fit() starts "
+                "no Ray, so JaxConfig's worker settings (jax.distributed, num_cpu_devices, XLA flags and env vars, "
+                "mesh) are not applied; get_mesh() spans this process's devices."
+            )
         super().__init__(
             train_loop_per_worker=train_loop_per_worker,
             train_loop_config=train_loop_config,
@@ -76,12 +82,29 @@ class JaxTrainer(DataParallelTrainer):
         return self.backend_config
 
     def fit(self):
-        _ensure_ray_leaves_cpu_for_data(self.scaling_config, bool(self.datasets))
+        if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
+            _ensure_ray_leaves_cpu_for_data(self.scaling_config, bool(self.datasets))
         with _fast_report_polling():
             return super().fit()
 
     def _create_default_callbacks(self):
         return _without_blind_cleaner(super()._create_default_callbacks())
+
+
+def _as_our_jax_config(jax_config) -> Optional[JaxConfig]:
+    """Ours as is; Ray's `ray.train.v2.jax.JaxConfig` (or a subclass) converted; anything else refused."""
+    if jax_config is None or isinstance(jax_config, JaxConfig):
+        return jax_config
+    from ray.train.v2.jax import JaxConfig as RayJaxConfig
+
+    if isinstance(jax_config, RayJaxConfig):
+        # Ray's own JaxConfig carries only use_tpu/use_gpu: keep their meaning.
+        return JaxConfig(use_tpu=jax_config.use_tpu, use_gpu=jax_config.use_gpu)
+    raise TypeError(
+        f"jax_config must be a ray_jax_train.JaxConfig (or Ray's ray.train.v2.jax.JaxConfig), got "
+        f"{type(jax_config).__module__}.{type(jax_config).__qualname__}. Pass rjt.JaxConfig(...); another "
+        "framework's backend config (e.g. TorchConfig) belongs to that framework's trainer."
+    )
 
 
 def _without_blind_cleaner(callbacks):
@@ -134,8 +157,9 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
 
     With `address=` or `RAY_ADDRESS` set (`ray job submit` sets it for its entrypoint) this joins that cluster, whose size is its
     own: Ray refuses `num_cpus` there, so a script that passed it would fail only once submitted. Otherwise a private
-    local Ray starts (never another `ray start` on this machine by accident) with `num_cpus` logical CPUs, by
-    default the cores and at least 4: oversubscribing one machine leaves Ray Data CPUs beside the training workers.
+    local Ray starts (never another `ray start` on this machine by accident; a live one is named in a warning) with
+    `num_cpus` logical CPUs, by default the cores and at least 4: oversubscribing one machine leaves Ray Data CPUs
+    beside the training workers.
     Nothing happens if Ray is already initialised. Other keyword arguments go to `ray.init` either way.
     """
     import ray
@@ -146,13 +170,45 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
     if address != "local":
         ray.init(address=address, **kwargs)
         return True
+    _warn_if_ray_start_cluster_runs(kwargs.get("_temp_dir"))
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **kwargs)
     return False
 
 
+def _running_ray_start_cluster(temp_dir: Optional[str] = None) -> Optional[str]:
+    """The address of a live cluster that `ray start` recorded on this machine (the one `ray.init()` joins), or None."""
+    import socket
+
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        address = find_bootstrap_address(temp_dir)
+        host, _, port = (address or "").rpartition(":")
+        if not host:
+            return None
+        # `ray stop` removes the record but a killed head leaves it behind: count it only if its GCS port answers
+        # (a local connect, well under a millisecond; 0.2 s at worst).
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+            return address
+    except Exception:
+        return None
+
+
+def _warn_if_ray_start_cluster_runs(temp_dir: Optional[str] = None) -> Optional[str]:
+    """Before starting a private Ray: say so once if a `ray start` cluster runs here, which it leaves unused."""
+    address = _running_ray_start_cluster(temp_dir)
+    if address:
+        logger.warning(
+            "Starting a private local Ray, although a Ray cluster started with `ray start` is running on this "
+            "machine at %s. To train on that cluster instead, set RAY_ADDRESS=auto (or RAY_ADDRESS=%s), or call "
+            "ray.init() before fit().", address, address,
+        )
+    return address
+
+
 def _worker_cpus(scaling_config) -> float:
-    resources = scaling_config.resources_per_worker
-    return float(resources.get("CPU", 0)) if resources else (0.0 if scaling_config.use_tpu else 1.0)
+    # Ray's own count: 1 by default, 0 for use_gpu or use_tpu without resources_per_worker (ray/air/config.py).
+    return float(scaling_config.num_cpus_per_worker)
 
 
 def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
@@ -168,11 +224,17 @@ def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
     needed = num_workers * _worker_cpus(scaling_config)
     if not ray.is_initialized():
-        if not init_ray(num_cpus=max(os.cpu_count() or 1, int(needed) + 2)):
+        if not init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 2)):
             return
-    if not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
+    if needed <= 0 or not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
         return
     total = ray.cluster_resources().get("CPU", 0.0)
+    if total < needed:
+        # The workers do not fit yet: Ray waits for them (an autoscaler may add nodes), so the case of workers
+        # that fit but leave Ray Data nothing cannot be told from here.
+        logger.warning("The %d training workers need %g CPUs but the cluster has %g now; they wait until Ray "
+                       "finds them.", num_workers, needed, total)
+        return
     if total - needed < 1:
         raise ValueError(
             f"The {num_workers} training workers reserve {needed:g} CPUs, all {total:g} of the cluster's, so Ray "

@@ -212,3 +212,45 @@ def test_a_short_read_first_does_not_end_the_epoch():
     assert np.concatenate([p["id"] for p in pieces]).tolist() == list(range(24))
     assert all((p["twice"] == 2 * p["id"]).all() for p in pieces)
     assert [len(p["id"]) for p in _split_rows(reads((0, 3), (3, 4), (4, 20)), 8)] == [8, 8, 4]
+
+
+def _independent_process(config):
+    """Runs in each worker with JaxConfig(distributed=False): nothing of JAX is started before the loop."""
+    import jax
+    import ray.train
+    from jax._src import distributed, xla_bridge
+
+    import ray_jax_train as rjt
+
+    out = {"backend_started_before_loop": xla_bridge.backends_are_initialized(),
+           "jax_distributed": distributed.global_state.client is not None,
+           "jax_platforms": os.environ.get("JAX_PLATFORMS"),
+           "process_count": jax.process_count(), "device_count": jax.device_count(),
+           "mesh": dict(rjt.get_mesh().shape)}
+    try:  # independent workers would each save alone into one directory
+        rjt.JaxCheckpointer(handle_preemption=False).save(1, {"w": jax.numpy.zeros(2)})
+        out["checkpointer"] = "saved"
+    except RuntimeError as exc:
+        out["checkpointer"] = str(exc)
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_distributed_false_gives_each_worker_its_own_jax(ray_cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    # A 2-device mesh fits each worker (the driver checks per worker); "cpu,cuda" is kept, as it leads with cpu
+    # (JAX skips CUDA where no GPU is visible).
+    config = rjt.JaxConfig(distributed=False, num_cpu_devices=2, mesh={"dp": 2}, compilation_cache=False,
+                           env_vars={"JAX_PLATFORMS": "cpu,cuda"})
+    result = _fit(_independent_process, tmp_path, config={"out": str(out)}, jax_config=config)
+    assert result.error is None
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for info in ranks:
+        # The loop could still call jax.distributed.initialize itself: JAX's backend had not started.
+        assert info["backend_started_before_loop"] is False and info["jax_distributed"] is False, info
+        assert info["process_count"] == 1 and info["device_count"] == 2, info
+        assert info["mesh"] == {"dp": 2}
+        assert info["jax_platforms"] == "cpu,cuda"
+        assert "one jax.distributed job" in info["checkpointer"], info

@@ -169,3 +169,123 @@ def test_workers_that_take_every_cpu_are_refused_before_hanging(ray_cluster):
     trainer = rjt.JaxTrainer(_loop, scaling_config=ScalingConfig(num_workers=4), datasets={"d": ray.data.range(4)})
     with pytest.raises(ValueError, match="Ray Data would have no CPU"):
         trainer.fit()
+
+
+def test_distributed_false_checks_the_mesh_against_one_workers_devices():
+    assert rjt.JaxConfig().distributed is True  # one jax.distributed job is the default
+    two_workers = ScalingConfig(num_workers=2)
+    # Each worker is its own JAX process with 2 CPU devices: a 2-device mesh fits, a 4-device one does not ...
+    config = resolve_jax_config(rjt.JaxConfig(distributed=False, num_cpu_devices=2, mesh={"dp": 2}), two_workers)
+    assert config.distributed is False and config.to_dict()["distributed"] is False
+    with pytest.raises(ValueError, match=r"does not fit the 2 devices each worker \(distributed=False\)"):
+        resolve_jax_config(rjt.JaxConfig(distributed=False, num_cpu_devices=2, mesh={"dp": 4}), two_workers)
+    # ... while one job over both workers has 4.
+    with pytest.raises(ValueError, match="does not fit the 4 devices the workers"):
+        resolve_jax_config(rjt.JaxConfig(num_cpu_devices=2, mesh={"dp": 2}), two_workers)
+
+
+def test_user_jax_platforms_is_kept_when_it_agrees_and_refused_when_not(monkeypatch):
+    from ray.train import RunConfig
+
+    gpu = ScalingConfig(num_workers=1, use_gpu=True)
+    # Kept: it leads with the run's platform, and keeps the CPU backend next to the GPU one.
+    config = resolve_jax_config(rjt.JaxConfig(env_vars={"JAX_PLATFORMS": "cuda,cpu"}), gpu)
+    assert config.platform == "gpu" and config.worker_env()["JAX_PLATFORMS"] == "cuda,cpu"
+    # The worker's own environment (runtime_env or inherited) counts too; any JAX name of a GPU does.
+    assert rjt.JaxConfig(platform="gpu").worker_env({"JAX_PLATFORMS": "rocm"})["JAX_PLATFORMS"] == "rocm"
+    assert rjt.JaxConfig(platform="cpu").worker_env({"JAX_PLATFORMS": "cpu,cuda"})["JAX_PLATFORMS"] == "cpu,cuda"
+    # An inherited value that disagrees (a driver keeping itself on the CPU, on a local Ray) gives way.
+    assert rjt.JaxConfig(platform="gpu").worker_env({"JAX_PLATFORMS": "cpu"})["JAX_PLATFORMS"] == "cuda"
+    # Values the driver knows the workers get are refused when they contradict the platform, naming both.
+    with pytest.raises(ValueError, match=r"JAX_PLATFORMS='cpu' in JaxConfig\(env_vars=...\) contradicts the "
+                                         r"platform 'gpu'.*start it with 'cuda'"):
+        resolve_jax_config(rjt.JaxConfig(env_vars={"JAX_PLATFORMS": "cpu"}), gpu)
+    with pytest.raises(ValueError, match=r"RunConfig\(worker_runtime_env=...\).*would default to 'cpu'"):
+        resolve_jax_config(None, gpu, RunConfig(worker_runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu,cuda"}}))
+    # The driver's own JAX_PLATFORMS only picks a default platform; it may keep the driver itself on the CPU.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert resolve_jax_config(None, gpu).platform == "gpu"
+
+
+def test_shutdown_timeout_follows_rays_variable_unless_set(monkeypatch):
+    one = ScalingConfig(num_workers=1)
+    monkeypatch.delenv("JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S", raising=False)
+    assert resolve_jax_config(None, one).shutdown_timeout_s == 60
+    monkeypatch.setenv("JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S", "7")
+    assert resolve_jax_config(None, one).shutdown_timeout_s == 7
+    assert resolve_jax_config(rjt.JaxConfig(shutdown_timeout_s=5), one).shutdown_timeout_s == 5
+
+
+def test_other_backend_configs_are_refused():
+    from ray.train.backend import BackendConfig
+    from ray.train.v2.jax import JaxConfig as RayJaxConfig
+
+    with pytest.raises(TypeError, match=r"got ray\.train\S*\.BackendConfig\. Pass rjt\.JaxConfig"):
+        rjt.JaxTrainer(_loop, jax_config=BackendConfig())
+
+    class MyRayJaxConfig(RayJaxConfig):
+        pass
+
+    trainer = rjt.JaxTrainer(_loop, jax_config=MyRayJaxConfig(use_gpu=True),
+                             scaling_config=ScalingConfig(num_workers=1, use_gpu=True))
+    assert isinstance(trainer.jax_config, rjt.JaxConfig) and trainer.jax_config.platform == "gpu"
+
+
+def test_local_mode_runs_the_loop_here_without_starting_ray(monkeypatch, caplog):
+    import ray
+    from ray.train.v2._internal.execution import train_fn_utils
+
+    # Local mode leaves its in-process train context set; give it back to later tests as it was.
+    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", None)
+    ray_was_up = ray.is_initialized()
+
+    def loop():
+        import ray_jax_train as rjt
+
+        return dict(rjt.get_mesh().shape)
+
+    with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
+        # A mesh that fits no worker: local mode does not apply it, so the driver does not check it.
+        trainer = rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=0),
+                                 jax_config=rjt.JaxConfig(mesh={"dp": 3}))
+    assert "local mode" in caplog.text and "not applied" in caplog.text
+    result = trainer.fit()
+    assert result.return_value == {"dp": 4}  # this process's 4 CPU devices (conftest)
+    assert ray.is_initialized() == ray_was_up
+
+
+def test_cpu_headroom_check_uses_rays_cpu_count(ray_cluster, caplog):
+    from ray_jax_train.trainer import _ensure_ray_leaves_cpu_for_data, _worker_cpus
+
+    assert _worker_cpus(ScalingConfig(num_workers=2)) == 1
+    assert _worker_cpus(ScalingConfig(num_workers=2, use_gpu=True)) == 0  # Ray reserves no CPU for GPU workers
+    assert _worker_cpus(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2})) == 2
+    # The session cluster has 4 CPUs. GPU workers take none of them.
+    _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8, use_gpu=True), True)
+    # Workers that do not fit yet wait for Ray (an autoscaler may add nodes): a warning, not an error.
+    with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
+        _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8), True)
+    assert "need 8 CPUs but the cluster has 4" in caplog.text
+    # Workers that fit but take every CPU would starve Ray Data for ever.
+    with pytest.raises(ValueError, match="Ray Data would have no CPU"):
+        _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2}), True)
+
+
+def test_a_running_ray_start_cluster_is_named_before_a_private_ray_starts(tmp_path, caplog):
+    """`ray start` records its address in <temp dir>/ray_current_cluster; a record whose GCS is gone is stale."""
+    import socket
+
+    from ray_jax_train.trainer import _warn_if_ray_start_cluster_runs
+
+    assert _warn_if_ray_start_cluster_runs(str(tmp_path)) is None  # nothing recorded
+    gcs = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{gcs.getsockname()[1]}"
+    (tmp_path / "ray_current_cluster").write_text(address)
+    with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
+        assert _warn_if_ray_start_cluster_runs(str(tmp_path)) == address
+    assert address in caplog.text and "RAY_ADDRESS=auto" in caplog.text and "ray.init()" in caplog.text
+    gcs.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
+        assert _warn_if_ray_start_cluster_runs(str(tmp_path)) is None  # killed without `ray stop`
+    assert not caplog.text

@@ -433,6 +433,15 @@ class JaxCheckpointer:
         import os
 
         import pyarrow.fs as pafs
+        import ray.train
+
+        workers = ray.train.get_context().get_world_size()
+        if _sync.process_count() != workers:
+            # With JaxConfig(distributed=False) every worker would save alone, all into one directory.
+            raise RuntimeError(
+                f"JaxCheckpointer needs the {workers} workers to be one jax.distributed job, but this one has "
+                f"{_sync.process_count()} process(es). Leave JaxConfig(distributed=True) (the default) for its "
+                "checkpoints, or save per-worker state with ray.train.report yourself.")
 
         from ray_jax_train import storage
 
