@@ -152,6 +152,12 @@ class LlamaConfig(_Base):
         data = dict(data)
         if data.get("model_type") == "qwen2" and data.get("attention_bias") is None:
             data["attention_bias"] = True  # Qwen2's q/k/v biases: a qwen2 model without them cannot be exported
+        rs = data.get("rope_scaling")
+        if (isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "llama3"
+                and rs.get("original_max_position_embeddings") is None):
+            # transformers' rope standardisation fills the pre-extension length from max_position_embeddings.
+            max_pos = data.get("max_position_embeddings", cls.model_fields["max_position_embeddings"].default)
+            data["rope_scaling"] = {**rs, "original_max_position_embeddings": max_pos}
         heads = data.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
         hidden = data.get("hidden_size", cls.model_fields["hidden_size"].default)
         if data.get("num_key_value_heads") is None:
@@ -187,6 +193,31 @@ class LlamaConfig(_Base):
                 raise ValueError(
                     f"rope_scaling type {rtype!r} is not implemented; supported: 'default', 'llama3'"
                 )
+            if rtype == "llama3":
+                missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
+                           if not isinstance(self.rope_scaling.get(k), (int, float))]
+                if missing:
+                    raise ValueError(
+                        f"rope_scaling {self.rope_scaling} is llama3 but lacks numeric {', '.join(missing)}; llama3 "
+                        f"rope needs factor, low_freq_factor and high_freq_factor (Llama 3.1 uses 8.0, 1.0, 4.0)"
+                    )
+                if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+                    raise ValueError(
+                        f"rope_scaling partial_rotary_factor={self.rope_scaling['partial_rotary_factor']} is not "
+                        f"implemented (rotary embeddings cover the whole head); remove it or set it to 1.0"
+                    )
+        if self.sliding_window is not None and self.model_type == "llama":
+            # Exporting would silently drop the window: HF's LlamaForCausalLM attends to the whole sequence.
+            raise ValueError(
+                f"sliding_window={self.sliding_window} with model_type='llama': HF Llama has no sliding window, so "
+                f"the exported model would compute differently; use model_type='mistral' (or 'qwen2'), or "
+                f"sliding_window=None"
+            )
+        if self.model_type == "mistral" and (self.attention_bias or self.attention_out_bias):
+            raise ValueError(
+                "model_type='mistral' with attention biases: MistralForCausalLM has no attention biases; use "
+                "model_type='llama' (biases on q/k/v/o) or 'qwen2' (q/k/v only), or set attention_bias=False"
+            )
         return self
 
     # Derived quantities -------------------------------------------------------------------------
@@ -205,38 +236,67 @@ class LlamaConfig(_Base):
     # Hugging Face interop ----------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: Any, **overrides: Any) -> "LlamaConfig":
-        """Build from a transformers ``PretrainedConfig`` or a config.json dict; ``overrides`` win."""
-        d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+        """Build from a transformers ``PretrainedConfig`` or a config.json dict; ``overrides`` win.
+
+        A dict is first passed through transformers' own config class, so keys config.json leaves out get that
+        class's defaults (a Mistral config without ``sliding_window`` gets 4096) and the rope fields are resolved
+        by its rules (``rope_scaling`` over ``rope_parameters``, whose ``rope_theta`` beats the top-level one):
+        the model we build is the one ``transformers`` builds from the same file. What it would compute but we
+        cannot (per-layer attention mixes, attention dropout, biases Mistral ignores) is refused here.
+        """
+        d = _transformers_config_dict(hf)
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={model_type!r} is not supported; supported model types: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={act!r} is not supported; only SwiGLU ('silu') MLPs are implemented")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported; only bias-free MLPs are implemented")
+        if d.get("attention_dropout"):
+            raise ValueError(
+                f"attention_dropout={d['attention_dropout']} is not supported (attention dropout is not "
+                f"implemented, so training would differ from transformers); set attention_dropout=0.0"
+            )
 
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = dict(d.get("rope_parameters") or {})
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise ValueError(
+                f"rope_parameters={rope} gives each layer type its own rope; only one rope for all layers is "
+                f"implemented"
+            )
+        rope_theta = rope.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None
         if rope_type != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            rope_scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
 
         if model_type == "qwen2":
             qkv_bias, out_bias = True, False
-            sliding = d.get("sliding_window") if d.get("use_sliding_window") else None
-            if sliding is not None:
-                raise ValueError("Qwen2 use_sliding_window=True is not supported (per-layer windows)")
+            # Qwen2Config has already turned use_sliding_window / max_window_layers into per-layer types, and
+            # set sliding_window to None unless use_sliding_window.
+            layer_types, window = d.get("layer_types") or [], d.get("sliding_window")
+            if set(layer_types) <= {"full_attention"}:
+                sliding = None
+            elif set(layer_types) == {"sliding_attention"} and window is not None:
+                sliding = window
+            else:
+                raise ValueError(
+                    f"Qwen2 layer_types={layer_types} (use_sliding_window={d.get('use_sliding_window')}, "
+                    f"max_window_layers={d.get('max_window_layers')}, sliding_window={window}) is not supported: "
+                    f"every layer here uses the same attention, so a Qwen2 config must make all layers full "
+                    f"(use_sliding_window=False, or max_window_layers >= num_hidden_layers) or all sliding "
+                    f"(use_sliding_window=True, max_window_layers=0, a sliding_window set)"
+                )
         elif model_type == "mistral":
-            qkv_bias = out_bias = bool(d.get("attention_bias", False))
+            if d.get("attention_bias"):
+                raise ValueError(
+                    "attention_bias=True with model_type='mistral': MistralForCausalLM has no attention biases "
+                    "(transformers ignores the flag and drops the bias tensors); use model_type='llama'"
+                )
+            qkv_bias = out_bias = False
             sliding = d.get("sliding_window")
         else:
             qkv_bias = out_bias = bool(d.get("attention_bias", False))
-            sliding = None
+            sliding = None  # LlamaForCausalLM ignores any sliding_window key
 
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
         try:
@@ -255,7 +315,7 @@ class LlamaConfig(_Base):
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=d["max_position_embeddings"],
             sliding_window=sliding,
             initializer_range=d.get("initializer_range", 0.02),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -316,8 +376,11 @@ class LlamaConfig(_Base):
         elif mt == "mistral":
             d["sliding_window"] = self.sliding_window
         elif mt == "qwen2":
-            d["use_sliding_window"] = False
-            d["sliding_window"] = None
+            # Qwen2Config makes layers i >= max_window_layers sliding, so 0 puts the window on every layer,
+            # as ours does.
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["sliding_window"] = self.sliding_window
+            d["max_window_layers"] = 0 if self.sliding_window is not None else self.num_hidden_layers
         return d
 
     def to_hf_config(self):
@@ -330,6 +393,30 @@ class LlamaConfig(_Base):
         cfg = AutoConfig.for_model(mt, **d)
         cfg.architectures = [SUPPORTED_MODEL_TYPES[mt]]
         return cfg
+
+
+def _transformers_config_dict(hf: Any) -> dict[str, Any]:
+    """``hf`` as the dict transformers' config class for its model_type makes of it (its defaults filled in)."""
+    is_hf_config = hasattr(hf, "to_dict")  # a transformers config object has been through its class already
+    d = hf.to_dict() if is_hf_config else dict(hf)
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if is_hf_config:
+        return d
+    import copy
+
+    from transformers import CONFIG_MAPPING  # local classes only: nothing is downloaded
+
+    hf_cls = CONFIG_MAPPING[model_type]
+    try:
+        # deepcopy: the class standardises rope_parameters in place.
+        return hf_cls.from_dict(copy.deepcopy(d)).to_dict()
+    except Exception as e:  # transformers' strict-dataclass errors are not ValueErrors
+        raise ValueError(f"transformers' {hf_cls.__name__} refuses this config: {e}") from e
 
 
 def _divisors(n: int) -> list[int]:

@@ -18,7 +18,9 @@ def test_derived_fields_and_dtypes():
     assert canonical_dtype(jnp.dtype("bfloat16")) == "bfloat16"
     # Explicit head_dim lifts the divisibility requirement (Mistral/Qwen3-style layouts).
     assert LlamaConfig(hidden_size=60, num_attention_heads=4, head_dim=32).head_dim == 32
-    hash(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0}))  # usable as static jit data
+    # usable as static jit data
+    hash(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0}))
 
 
 def test_hidden_not_divisible_by_heads():
@@ -159,3 +161,58 @@ def test_create_model_lazy_has_no_arrays():
     assert model.layers[0].self_attn.q_proj.kernel.get_value().shape == (512, 512)
     assert model.layers[0].self_attn.q_proj.kernel.get_value().dtype == jnp.float32  # param_dtype
     assert num_params(model) == count_params(scaling.create_config(2))
+
+
+SMALL_HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+
+
+def test_hf_import_uses_transformers_defaults_and_rope_precedence():
+    transformers = pytest.importorskip("transformers")
+    # config.json without sliding_window: MistralConfig's default window (4096), not "no window".
+    assert LlamaConfig.from_hf({"model_type": "mistral", **SMALL_HF}).sliding_window == 4096
+    assert LlamaConfig.from_hf({"model_type": "mistral", **SMALL_HF, "sliding_window": None}).sliding_window is None
+    # rope_parameters' rope_theta beats the top-level one; rope_scaling beats rope_parameters (transformers' rules).
+    d = {"model_type": "llama", **SMALL_HF, "max_position_embeddings": 64, "rope_theta": 1e6,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert LlamaConfig.from_hf(d).rope_theta == 5e5 == transformers.LlamaConfig(**d).rope_parameters["rope_theta"]
+    l3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cfg = LlamaConfig.from_hf({**d, "rope_scaling": dict(l3)})
+    assert cfg.rope_scaling == {**l3, "original_max_position_embeddings": 64}  # filled as transformers does
+    # rope_scaling replaced rope_parameters whole, so the top-level rope_theta applies.
+    ref = transformers.LlamaConfig(**{**d, "rope_scaling": dict(l3)}).rope_parameters
+    assert cfg.rope_theta == ref["rope_theta"] == 1e6 and ref["rope_type"] == "llama3"
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1 is not supported.*set attention_dropout=0.0"):
+        LlamaConfig.from_hf({"model_type": "llama", **SMALL_HF, "attention_dropout": 0.1})
+
+
+def test_qwen2_sliding_window_import_and_export():
+    transformers = pytest.importorskip("transformers")
+    base = {"model_type": "qwen2", **SMALL_HF, "sliding_window": 8, "use_sliding_window": True}
+    # transformers makes layers i >= max_window_layers sliding: >= num_hidden_layers means all full.
+    assert LlamaConfig.from_hf({**base, "max_window_layers": 2}).sliding_window is None
+    cfg = LlamaConfig.from_hf({**base, "max_window_layers": 0})
+    assert cfg.sliding_window == 8
+    hf = cfg.to_hf_config()
+    assert hf.layer_types == ["sliding_attention"] * 2 and hf.sliding_window == 8
+    assert LlamaConfig.from_hf(hf) == cfg
+    with pytest.raises(ValueError, match=r"Qwen2 layer_types=\['full_attention', 'sliding_attention'\].*all sliding"):
+        LlamaConfig.from_hf({**base, "max_window_layers": 1})
+    assert transformers.Qwen2Config(**{k: v for k, v in base.items() if k != "model_type"},
+                                    max_window_layers=1).layer_types[1] == "sliding_attention"
+
+
+def test_configs_transformers_would_compute_differently_are_refused():
+    with pytest.raises(ValidationError, match=r"HF Llama has no sliding window.*model_type='mistral'"):
+        LlamaConfig(sliding_window=4)
+    assert LlamaConfig(model_type="mistral", sliding_window=4).sliding_window == 4
+    with pytest.raises(ValidationError, match=r"MistralForCausalLM has no attention biases.*model_type='llama'"):
+        LlamaConfig(model_type="mistral", attention_bias=True, attention_out_bias=True)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM has no attention biases.*model_type='llama'"):
+        LlamaConfig.from_hf({"model_type": "mistral", **SMALL_HF, "attention_bias": True})
+    with pytest.raises(ValidationError, match=r"lacks numeric low_freq_factor, high_freq_factor"):
+        LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    # llama3 without original_max_position_embeddings takes max_position_embeddings, as in transformers.
+    cfg = LlamaConfig(max_position_embeddings=128, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 128

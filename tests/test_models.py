@@ -230,6 +230,11 @@ def test_param_count_and_flops(extra):
         matmul = 2 * (2 * 4096 + 2 * 2048 + 3 * 64 * 96) + 128 * 64
         assert flops_per_token(cfg, 32) == 6 * matmul + 12 * 2 * 4 * 16 * 32
     assert flops_per_token(cfg, 64) > flops_per_token(cfg, 32)
+    # A sliding window caps the keys each query attends to, so the attention term stops growing at the window.
+    windowed = cfg.replace(model_type="mistral", sliding_window=8, attention_bias=False, attention_out_bias=False)
+    plain = windowed.replace(sliding_window=None)
+    assert flops_per_token(windowed, 32) == flops_per_token(plain, 8)  # same matmuls, 8 keys per query
+    assert flops_per_token(windowed, 4) == flops_per_token(plain, 4)
 
 
 def test_from_pretrained_errors(tmp_path, hf_dirs):
@@ -280,3 +285,57 @@ def test_from_pretrained_places_params_with_given_sharding(hf_dirs):
     assert ("layers", 1, "mlp", "down_proj", "kernel") in seen and ("lm_head", "kernel") in seen
     ref = hf_dirs["mistral"][0].model.layers[0].self_attn.q_proj.weight.detach().numpy().T
     np.testing.assert_array_equal(np.asarray(kernel), ref)
+
+
+# Small configs for the HF-compatibility checks below (2 layers, hidden 32, a few tokens).
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rope_theta=1000.0)
+
+
+def test_qwen2_sliding_window_export_matches_transformers(tmp_path):
+    ids = np.random.default_rng(3).integers(0, 64, size=(1, 8))
+    cfg = LlamaConfig(**SMALL, model_type="qwen2", sliding_window=3)
+    model = random_model(cfg)
+    save_pretrained(model, tmp_path)
+    hf_model = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    # The export must put the window on every layer (it used to write use_sliding_window=False).
+    assert hf_model.config.layer_types == ["sliding_attention"] * 2 and hf_model.config.sliding_window == 3
+    ours = np.asarray(forward(model, jnp.asarray(ids)))
+    assert rel_err(ours, hf_logits(hf_model, ids)) < 1e-4
+    # The window matters over 8 tokens, so the match above is not the full-attention one.
+    full = np.asarray(forward(random_model(cfg.replace(sliding_window=None)), jnp.asarray(ids)))
+    assert rel_err(full, ours) > 1e-3
+    assert from_pretrained(tmp_path).config == cfg
+
+
+def test_tied_config_with_distinct_lm_head_loads_untied_like_transformers(tmp_path):
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(**SMALL, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path)
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    cfg_json["tie_word_embeddings"] = True  # a wrong flag next to a real, different lm_head.weight
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf_model.lm_head.weight.data_ptr() != hf_model.model.embed_tokens.weight.data_ptr()
+    ours = from_pretrained(tmp_path)
+    assert not ours.config.tie_word_embeddings
+    ids = np.random.default_rng(4).integers(0, 64, size=(1, 6))
+    assert rel_err(forward(ours, jnp.asarray(ids)), hf_logits(hf_model, ids)) < 1e-4
+
+
+def test_llama3_rope_without_original_max_positions_matches_transformers(tmp_path, hf_dirs):
+    # The fixture's llama3 rope has original_max_position_embeddings=16; a config.json that leaves it out and
+    # has max_position_embeddings=16 gets the same value from transformers (and must from us: it was a KeyError).
+    src = hf_dirs["llama_rope3"][1]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    del cfg_json["rope_parameters"]["original_max_position_embeddings"]
+    cfg_json["max_position_embeddings"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf_model.config.rope_parameters["original_max_position_embeddings"] == 16
+    ours = from_pretrained(tmp_path)
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == 16
+    ids = np.random.default_rng(5).integers(0, TINY["vocab_size"], size=(1, 12))
+    assert rel_err(forward(ours, jnp.asarray(ids)), hf_logits(hf_model, ids)) < 1e-4

@@ -26,6 +26,7 @@ _ARCH_TO_TYPE = {arch: mt for mt, arch in SUPPORTED_MODEL_TYPES.items()}
 # Checkpoint entries that carry no learnt state (old Llama exports saved the rotary buffer).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _INDEX = "model.safetensors.index.json"
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 PathLike = Union[str, os.PathLike]
 
@@ -106,7 +107,8 @@ def from_pretrained(path: PathLike, dtype: Any = None, param_dtype: Any = None, 
     ``param_dtype`` defaults to the checkpoint's dtype and ``dtype`` (compute) to ``param_dtype``.
     ``config_overrides`` set other ``LlamaConfig`` fields (e.g. ``remat=True``). ``sharding(path, shape)``
     may return a ``jax.sharding.Sharding`` per parameter; each process then materialises only its own
-    shards, which is what makes multi-host loading of large models possible.
+    shards, which is what makes multi-host loading of large models possible. As in transformers, a
+    ``tie_word_embeddings=True`` checkpoint whose ``lm_head.weight`` differs from the embedding loads untied.
     """
     path = Path(path)
     overrides = dict(config_overrides)
@@ -126,6 +128,12 @@ def from_pretrained(path: PathLike, dtype: Any = None, param_dtype: Any = None, 
     for h in handles:
         for k in h.keys():
             where[k] = h
+
+    if config.tie_word_embeddings and _EMBED in where and _LM_HEAD in where \
+            and not _same_tensor(where[_EMBED], where[_LM_HEAD], _EMBED, _LM_HEAD):
+        # transformers (PreTrainedModel.tie_weights) does not tie when the checkpoint holds both tensors with
+        # different values: it keeps lm_head. Do the same, or the logits would silently differ.
+        config = config.replace(tie_word_embeddings=False)
 
     abstract = create_model(config, lazy=True)
     graphdef, state = nnx.split(abstract)
@@ -165,6 +173,19 @@ def from_pretrained(path: PathLike, dtype: Any = None, param_dtype: Any = None, 
             f"the config.json probably describes a different architecture"
         )
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _same_tensor(h1: Any, h2: Any, name1: str, name2: str, rows: int = 4096) -> bool:
+    """Whether two checkpoint tensors are exactly equal, compared in row blocks (not two full copies)."""
+    s1, s2 = h1.get_slice(name1), h2.get_slice(name2)
+    shape = s1.get_shape()
+    if shape != s2.get_shape():
+        return False
+    for i in range(0, shape[0], rows):
+        j = min(i + rows, shape[0])  # safetensors refuses slices past the end
+        if not np.array_equal(s1[i:j], s2[i:j]):
+            return False
+    return True
 
 
 def _parse_size(size: Union[int, str]) -> int:

@@ -355,11 +355,13 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     Matmul params are every projection plus the output projection (vocab x hidden, tied or not); the
     embedding lookup and norms do no matmul work. The attention term counts QK^T and AV forward and
     backward over the full (non-causally-halved) sequence, the PaLM/Megatron convention, so numbers are
-    comparable with published MFU figures.
+    comparable with published MFU figures. With a sliding window shorter than ``seq_len`` each query sees at
+    most ``sliding_window`` keys, so the window replaces the sequence length there.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
     per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * i
     matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * h
-    attention = 12 * config.num_hidden_layers * nq * d * seq_len
+    keys = seq_len if config.sliding_window is None else min(seq_len, config.sliding_window)
+    attention = 12 * config.num_hidden_layers * nq * d * keys
     return float(6 * matmul_params + attention)
