@@ -194,8 +194,14 @@ class ExperimentConfig(_Section):
     def check(self) -> "ExperimentConfig":
         """Checks across sections and against the filesystem (ConfigError); `parse_config` runs them."""
         # TrainingArguments' and LlamaConfig's own validation, with errors re-rooted under training./model.
-        self.training_arguments()
-        self.llama_config()
+        args = self.training_arguments()
+        model = self.llama_config()
+        if args.save_final_model:
+            try:  # the export runs after the last step: a config it refuses must fail now, not after training
+                model.to_hf_dict()
+            except ValueError as exc:
+                raise ConfigError(f"model: {exc}. The run ends by exporting a Hugging Face model, which this config "
+                                  "cannot be; fix the model section") from None
         if not self.scaling.worker_resources():
             raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")

@@ -3,7 +3,7 @@
 A multi-node run writes checkpoints, metrics and models from several nodes into one run directory. That only
 works when the storage is a URI (gs://, s3://) or a path every node mounts; a node-local `./runs` silently
 splits a checkpoint over disks and loses it with the node. Ray's own check for this is skipped by our
-checkpoint upload, so the backend checks it: the driver writes a token the workers must read back.
+checkpoint upload, so `JaxCheckpointer` checks it: process 0 writes a token that every process must read back.
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def run_storage_dir(run_config) -> Optional[str]:
 
 
 def write_marker(run_dir: str) -> Tuple[str, str]:
-    """Driver side: a fresh token in the run directory. Returns (marker path, token)."""
+    """Process 0's side: a fresh token in the run directory. Returns (marker path, token)."""
     os.makedirs(run_dir, exist_ok=True)
     token = uuid.uuid4().hex
     path = os.path.join(run_dir, MARKER_NAME)
@@ -147,7 +147,7 @@ def write_marker(run_dir: str) -> Tuple[str, str]:
 
 
 def marker_problem(path: str, token: str) -> Optional[str]:
-    """Worker side: why this node does not see the driver's storage, or None when it does."""
+    """Every process's side: why this node does not see process 0's run directory, or None when it does."""
     try:
         with open(path) as f:
             seen = f.read().strip()
@@ -159,7 +159,7 @@ def marker_problem(path: str, token: str) -> Optional[str]:
 
     what = "is missing" if seen is None else "holds another run's token"
     return (f"run storage {os.path.dirname(path)} is not shared with this node ({socket.gethostname()}): the "
-            f"driver's check file {what} here. On a multi-node cluster, Ray Train's storage_path must be a "
+            f"check file that process 0 wrote there {what} here. On a multi-node cluster, Ray Train's storage_path must be a "
             "directory every node mounts (NFS, a cluster filesystem) or a URI such as gs://bucket/runs or "
             "s3://bucket/runs; otherwise checkpoints are split over node-local disks and lost with a node "
             "(see docs/cluster.md).")

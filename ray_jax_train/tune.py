@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
                                       check_cluster_fits, ensure_tokenizer, parse_config, read_file)
-from ray_jax_train.storage import absolute
+from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
 
 __all__ = ["TuneOutcome", "restore_best", "run", "search_space"]
 
@@ -147,13 +147,16 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     # One compilation cache for all trials (the driver's JAX_COMPILATION_CACHE_DIR, or one in the search's
     # directory), not one per trial run: trials of one model share every program the searched values do not
     # shape (the state's init, the eval step, and the train step: optimizer numbers are state, not constants).
-    # Absolute: a trial runs in its own working directory.
-    shared_cache = os.path.abspath(os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                                   or os.path.join(storage, name, "compilation_cache"))
+    # Absolute: a trial runs in its own working directory. JAX's cache needs a filesystem path, so storage behind
+    # a URI gets none unless the driver names one.
+    shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
+        None if is_uri(storage) else os.path.join(storage, name, "compilation_cache"))
+    shared_cache = absolute(shared_cache) if shared_cache else None
 
     def trial(trial_space: Dict[str, Any]) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
+        if shared_cache:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
         context = tune.get_context()
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",
@@ -192,9 +195,9 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                "checkpoint": outcome.best_checkpoint, "run_dir": outcome.best_run_dir,
                "tokenizer": tokenizer_path, "metric": outcome.metric, "mode": outcome.mode,
                "searched": outcome.searched}
-    os.makedirs(os.path.join(storage, name), exist_ok=True)
-    with open(os.path.join(storage, name, "best.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    with local_dir_for(os.path.join(storage, name)) as experiment_dir:  # a URI too: written locally, copied up
+        with open(os.path.join(experiment_dir, "best.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     return outcome
 
 
@@ -204,11 +207,11 @@ def _plain(metrics: Dict[str, Any]) -> Dict[str, Any]:
 
 def restore_best(experiment_dir: str):
     """The best trial's parameters from a finished search directory (its best.json), in this process."""
-    path = os.path.join(experiment_dir, "best.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: give the search directory <storage_path>/<tune name>")
-    with open(path) as f:
-        best = json.load(f)
+    path = join(experiment_dir, "best.json")
+    try:
+        best = json.loads(read_text(path))  # a local path or the storage URI
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: give the search directory <storage_path>/<tune name>") from None
     outcome = TuneOutcome(results=None, best_config=parse_config(best["config"]), best_metrics=best["metrics"],
                           best_checkpoint=best["checkpoint"], best_run_dir=best["run_dir"],
                           tokenizer_path=best["tokenizer"], metric=best["metric"], mode=best["mode"],

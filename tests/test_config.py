@@ -216,3 +216,11 @@ def test_configs_transformers_would_compute_differently_are_refused():
     cfg = LlamaConfig(max_position_embeddings=128, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0})
     assert cfg.rope_scaling["original_max_position_embeddings"] == 128
+
+
+def test_cli_config_that_cannot_be_exported_fails_at_parse_time():
+    # The final export runs after the last step; `ray-jax-train fit` must not train first and fail there.
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="exporting a Hugging Face model"):
+        parse_config({"model": {"type": "qwen2", "attention_bias": False}})
