@@ -7,6 +7,7 @@ batches on every worker even when shards are uneven, so a collective in the step
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import weakref
@@ -38,6 +39,20 @@ def resolve_dataset(dataset) -> Any:
         f"iter_jax_batches needs a dataset name, a ray.data.DataIterator or a ray.data.Dataset, "
         f"got {type(dataset).__name__}."
     )
+
+
+def _check_split(name: str, iterator) -> None:
+    """A trainer dataset left out of `DataConfig(datasets_to_split=...)` is whole on every worker: fed as
+    process-local rows, each global batch would hold every row once per process, with no error."""
+    import jax
+    from ray.data._internal.iterator.stream_split_iterator import StreamSplitDataIterator
+
+    if jax.process_count() > 1 and not isinstance(iterator, StreamSplitDataIterator):
+        raise ValueError(
+            f"Dataset {name!r} is not split between the workers (DataConfig(datasets_to_split=...) leaves it out), "
+            f"so each of the {jax.process_count()} processes would read all of it and every global batch would "
+            f"hold each row {jax.process_count()} times. Split it (datasets_to_split='all' or a list naming "
+            f"{name!r}), or pass this process's own part as a Dataset or DataIterator.")
 
 
 def batch_sharding(mesh, batch_axes: Optional[Sequence[str]] = None):
@@ -130,10 +145,14 @@ def iter_jax_batches(
         raise ValueError(f"remainder={remainder!r}; use one of {REMAINDERS}.")
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch} must be >= 1.")
+    if not isinstance(sync_window, int) or sync_window < 1:  # 0 would agree on 0 batches forever, never ending
+        raise ValueError(f"sync_window={sync_window!r} must be a positive integer.")
     check_batch_size(batch_size, mesh, batch_axes)
     sharding = batch_sharding(mesh, batch_axes)
     local_rows = process_rows(sharding, batch_size)
     iterator = resolve_dataset(dataset)
+    if isinstance(dataset, str):
+        _check_split(dataset, iterator)
     # Ray Data pays a fixed cost per batch; read several steps' rows at once and slice them here.
     read_rows = local_rows * max(1, -(-min_read_rows // local_rows))
     host_batches = iterator.iter_batches(
@@ -146,7 +165,11 @@ def iter_jax_batches(
     )
     host_batches = _split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows)
     if sync and jax.process_count() > 1:
-        agreed = _Agreement(next(_call_counter), sync_timeout_s)
+        # What each process opened: iterators are matched by opening order, so a mismatch is a loud error, not
+        # one process's eval batches agreed against another's train batches.
+        opened = json.dumps([dataset if isinstance(dataset, str) else type(dataset).__name__, batch_size, remainder,
+                             sorted(columns) if columns is not None else None])
+        agreed = _Agreement(next(_call_counter), sync_timeout_s, opened)
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
@@ -252,10 +275,11 @@ class _Agreement:
     differently with the step's collectives on different processes and deadlock.
     """
 
-    def __init__(self, call_id: int, timeout_s: float):
+    def __init__(self, call_id: int, timeout_s: float, opened: str = ""):
         import jax
         from jax._src import distributed
 
+        self._opened = opened
         self._client = distributed.global_state.client
         self._prefix = f"ray_jax_train/batches/{call_id}"
         self._rank = jax.process_index()
@@ -265,8 +289,17 @@ class _Agreement:
 
     def gather(self, value: int) -> list:
         key = f"{self._prefix}/{self._round}"
-        self._client.key_value_set(f"{key}/{self._rank}", str(value))
-        values = [int(self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms)) for p in range(self._size)]
+        mine = str(value) if self._round else f"{value} {self._opened}"  # round 0 also compares what was opened
+        self._client.key_value_set(f"{key}/{self._rank}", mine)
+        answers = [self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms) for p in range(self._size)]
+        if not self._round:
+            opened = [answer.partition(" ")[2] for answer in answers]
+            if len(set(opened)) > 1:
+                raise RuntimeError(
+                    "The processes opened different iterators at the same point (they are matched by opening "
+                    f"order): {', '.join(f'process {p}: {o}' for p, o in enumerate(opened))}. Open the same "
+                    "iter_jax_batches calls in the same order on every worker.")
+        values = [int(answer.partition(" ")[0]) for answer in answers]
         if self._round >= 1:
             # Every process has now set this round's key, so each has read all of the round before: that round's
             # keys are never read again. Deleting them keeps the coordinator's store from growing with the run.

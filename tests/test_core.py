@@ -5,7 +5,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec
 from ray.train import RunConfig, ScalingConfig
 
@@ -254,3 +253,47 @@ def test_distributed_false_gives_each_worker_its_own_jax(ray_cluster, tmp_path):
         assert info["mesh"] == {"dp": 2}
         assert info["jax_platforms"] == "cpu,cuda"
         assert "one jax.distributed job" in info["checkpointer"], info
+
+
+def _opened_out_of_step(config):
+    """Runs in each worker: the processes open different iterators, then one a DataConfig left unsplit."""
+    import ray.train
+
+    import ray_jax_train as rjt
+
+    rank = ray.train.get_context().get_world_rank()
+    seen = {}
+    batch_size = 4 if rank == 0 else 8  # e.g. a train and an eval iterator opened in another order
+    try:
+        next(iter(rjt.iter_jax_batches("a", batch_size=batch_size, mesh=rjt.get_mesh())))
+        seen["order"] = "no error"
+    except RuntimeError as exc:
+        seen["order"] = str(exc)
+    try:
+        rjt.iter_jax_batches("whole", batch_size=4, mesh=rjt.get_mesh())
+        seen["unsplit"] = "no error"
+    except ValueError as exc:
+        seen["unsplit"] = str(exc)
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_cluster, tmp_path):
+    import ray.data
+    from ray.train import DataConfig
+
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = rjt.JaxTrainer(
+        _opened_out_of_step, train_loop_config={"out": str(out)}, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=str(tmp_path / "storage")),
+        datasets={name: ray.data.range(32) for name in ("a", "whole")},
+        dataset_config=DataConfig(datasets_to_split=["a"]))
+    assert trainer.fit().error is None
+    for rank in range(2):
+        seen = json.loads((out / f"rank{rank}.json").read_text())
+        # Before: each process agreed its batch count against the other's iterator, with no error.
+        assert "opened different iterators" in seen["order"] and '["a", 4' in seen["order"], seen
+        assert '["a", 8' in seen["order"]
+        # Before: every global batch held each row twice.
+        assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen

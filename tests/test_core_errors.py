@@ -289,3 +289,11 @@ def test_a_running_ray_start_cluster_is_named_before_a_private_ray_starts(tmp_pa
     with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
         assert _warn_if_ray_start_cluster_runs(str(tmp_path)) is None  # killed without `ray stop`
     assert not caplog.text
+
+
+def test_iterator_settings_that_would_spin_or_grow_without_bound_are_refused():
+    mesh = rjt.make_mesh({"dp": -1})
+    with pytest.raises(ValueError, match="sync_window=0 must be a positive integer"):  # agreed on 0 batches forever
+        rjt.iter_jax_batches("train", batch_size=4, mesh=mesh, sync_window=0)
+    with pytest.raises(ValueError, match="prefetch=0 must be a positive integer"):  # Queue(maxsize=0) is unbounded
+        rjt.ResumableBatches({"x": np.arange(16)}, batch_size=4, mesh=mesh, prefetch=0)

@@ -158,6 +158,8 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
                       packed_rows(4))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
+    with pytest.raises(ValueError, match="1 rows .* fewer than the 2 workers"):  # equal split: 0 rows each
+        trainer.train(1, args.model_copy(update={"num_workers": 2}), packed_rows(), dataset_eval=packed_rows()[:1])
     with pytest.raises(ValueError, match="qwen2.*save_final_model=False"):  # refused before training, not after
         RayDistributedTrainer(tokenizer_dir, model_type="qwen2", config_scaling_variables=SCALING,
                               config_variables={**FIXED, "attention_bias": False}).train(
@@ -200,3 +202,16 @@ def test_load_processor_pads_with_eos_and_warns(tokenizer_dir, tmp_path, caplog)
         loaded = trainer.load_processor()
     assert loaded.pad_token_id == loaded.eos_token_id
     assert any("no pad token" in r.getMessage() for r in caplog.records)
+
+
+def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray_cluster, tmp_path):
+    # The CLI materialises its datasets; counting them is free, so too little data fails here, not in the workers.
+    from ray_jax_train.lm.data import prepare_lm_datasets
+
+    rows = packed_rows()
+    args = one_step_args(tmp_path, "short").model_copy(update={"batch_size": len(rows) + 4, "total_steps": 10})
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        prepare_lm_datasets(rows, None, None, args, materialize=True)
+    datasets, _, total = prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4}),
+                                             materialize=True)
+    assert total == 10 and datasets["train"].count() == len(rows)

@@ -13,7 +13,7 @@ from ray.train import RunConfig, ScalingConfig
 
 import ray_jax_train as rjt
 from ray_jax_train.config import LlamaConfig
-from ray_jax_train.lm import TrainingArguments, loss_sums, make_optimizer, make_train_step, read_metrics, shard_state
+from ray_jax_train.lm import TrainingArguments, make_optimizer, make_train_step, read_metrics, shard_state
 from ray_jax_train.lm.loop import train_loop_per_worker
 from ray_jax_train.lm.state import split_model
 from ray_jax_train.lm.step import new_state

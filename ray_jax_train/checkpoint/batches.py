@@ -97,6 +97,8 @@ class ResumableBatches:
         self.mesh = mesh
         self.seed = int(seed)
         self.shuffle = shuffle
+        if not isinstance(prefetch, int) or prefetch < 1:  # 0 would be an unbounded queue, not "no prefetch"
+            raise ValueError(f"prefetch={prefetch!r} must be a positive integer.")
         self.prefetch = prefetch
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
         problem = None

@@ -646,8 +646,12 @@ class JaxCheckpointer:
             )
 
     def close(self) -> None:
-        """Wait for the last save (Ray also waits for it before the worker finishes); SIGTERM is ordinary again."""
-        self.wait()
+        """Wait for the last save (Ray also waits for it before the worker finishes); SIGTERM is ordinary again.
+
+        A SIGTERM still pending ends this process right after: first Ray must have registered the last save, or
+        the restarted run would find it unregistered and delete it as an orphan.
+        """
+        self.wait(registered=signals.sigterm_received() and self._last_saved_step is not None)
         signals.deactivate_sigterm_handler()
 
     def __enter__(self):
@@ -677,6 +681,9 @@ class JaxCheckpointer:
             return self._restore_first([_location_of(checkpoint)], target, explicit=True, partial=partial)
         self._check_shared_storage()
         latest = ray.train.get_checkpoint()
+        # Clean up only before this checkpointer's first save: later (a mid-run rollback) a save of its own may
+        # still be on its way to Ray, and Ray's list, cut short by its timeout, would not show it.
+        cleanup = cleanup and self._pending is None and self._last_saved_step is None
         reported = self._reported_locations() if (fallback or cleanup) else []
         if cleanup and reported is not None and _sync.process_index() == 0:
             # Only with Ray's list in hand: without it every registered checkpoint would look like an orphan.

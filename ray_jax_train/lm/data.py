@@ -68,6 +68,8 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
     The datasets are materialised (tokenised now) when asked, when counting rows is the only way to know the
     step count (num_epochs), or when the workers would hold every CPU and starve the Ray Data tasks (a hang).
     """
+    from ray.data.dataset import MaterializedDataset
+
     train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
                                            max_position_embeddings=max_position_embeddings, what=names[0])
     datasets = {"train": train_ds}
@@ -79,11 +81,34 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
             raise ValueError(f"{names[1]} feeds columns {eval_columns}, {names[0]} {columns}; they must match.")
     if materialize or args.total_steps is None or _too_few_cpus(args):
         datasets = {name: ds.materialize() for name, ds in datasets.items()}
-    total_steps = args.total_steps or args.steps_for_rows(datasets["train"].count())
+    elif "eval" in datasets:
+        # Eval runs again and again over the same few rows: tokenise them once (and count them, below).
+        datasets["eval"] = datasets["eval"].materialize()
+    if args.total_steps is None:
+        total_steps = args.steps_for_rows(datasets["train"].count())
+    else:
+        total_steps = args.total_steps
+        if isinstance(datasets["train"], MaterializedDataset):  # counted for free: too little fails here,
+            args.steps_for_rows(datasets["train"].count())               # not in the workers after compiling
+    _check_eval_rows(datasets.get("eval"), args, names[1])
     if args.warmup_steps > total_steps:
         raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
                          "warmup_steps or train longer.")
     return datasets, columns, total_steps
+
+
+def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:
+    """Ray splits an eval set equally, rows // workers to each: fewer rows than workers would evaluate
+    nothing (no eval_loss, found only when a Tune search on it ends)."""
+    from ray.data.dataset import MaterializedDataset
+
+    if not isinstance(eval_ds, MaterializedDataset):
+        return
+    rows = eval_ds.count()
+    if rows < args.num_workers:
+        raise ValueError(f"{name} packs into {rows} rows of {args.max_sequence_length} tokens, fewer than the "
+                         f"{args.num_workers} workers; Ray gives each worker rows // workers of them, so nothing "
+                         "would be evaluated. Give more eval text, or fewer workers.")
 
 
 def _too_few_cpus(args: TrainingArguments) -> bool:

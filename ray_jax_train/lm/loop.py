@@ -125,8 +125,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             if args.max_eval_steps and i >= args.max_eval_steps:
                 break
             sums.append(eval_step(state["params"], batch))
-        if not sums:
-            return {}
+        if not sums:  # every process agreed on no batch, so all raise here together
+            raise ValueError(
+                "The eval dataset gave no batch: Ray splits it equally, rows // workers to each, so it needs at "
+                f"least one packed row per worker ({jax.process_count()} processes). Give more eval text, or "
+                "fewer workers.")
         loss_sum, tokens = (float(x) for x in jax.device_get(jnp.sum(jnp.asarray(sums), axis=0)))
         loss = loss_sum / max(tokens, 1.0)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
