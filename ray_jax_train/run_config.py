@@ -661,7 +661,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     train_source, eval_source = _datasets(config)
     datasets, columns, total_steps = prepare_lm_datasets(
         train_source, eval_source, tokenizer, args, materialize=True, names=("data.source", "data.eval_source"),
-        max_position_embeddings=model_config.max_position_embeddings)
+        max_position_embeddings=model_config.max_position_embeddings, vocab_size=model_config.vocab_size)
 
     s = config.scaling
     custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker

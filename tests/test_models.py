@@ -339,3 +339,19 @@ def test_llama3_rope_without_original_max_positions_matches_transformers(tmp_pat
     assert ours.config.rope_scaling["original_max_position_embeddings"] == 16
     ids = np.random.default_rng(5).integers(0, TINY["vocab_size"], size=(1, 12))
     assert rel_err(forward(ours, jnp.asarray(ids)), hf_logits(hf_model, ids)) < 1e-4
+
+
+def test_padding_queries_see_only_themselves_and_untrained_targets_cannot_poison_the_loss():
+    from ray_jax_train.lm.step import loss_sums
+    from ray_jax_train.models.llama import make_attention_mask
+
+    allowed = np.asarray(make_attention_mask(1, 4, None, jnp.asarray([[0, 0, 1, 1]])))[0]
+    # Before: padding rows allowed no key, so softmax spread them over every key, the future included.
+    np.testing.assert_array_equal(allowed, [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+    cfg = LlamaConfig(**TINY)
+    graphdef, params = nnx.split(create_model(cfg), nnx.Param)
+    batch = {"input_ids": jnp.asarray([[3, 4, 5, 0]]), "targets": jnp.asarray([[4, 5, cfg.vocab_size + 7, 0]]),
+             "loss_mask": jnp.asarray([[1, 1, 0, 0]]), "segment_ids": jnp.asarray([[1, 1, 1, 0]]),
+             "positions": jnp.asarray([[0, 1, 2, 0]])}
+    total, tokens = loss_sums(graphdef, params, batch)  # an id past the vocabulary where nothing is trained
+    assert np.isfinite(float(total)) and float(tokens) == 2.0

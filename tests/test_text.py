@@ -70,10 +70,12 @@ def test_tiny_and_empty_documents_are_dropped():
     np.testing.assert_array_equal(out["input_ids"], [[7, EOS, 0, 0]])
 
 
-def test_truncation_cuts_to_max_position_embeddings():
+def test_truncation_splits_at_max_position_embeddings_and_keeps_every_token():
     out = pack_documents([[1, 2, 3, 4, 5, 6, EOS]], 8, max_position_embeddings=4, truncation=True)
-    np.testing.assert_array_equal(out["input_ids"], [[1, 2, 3, 4, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(out["input_ids"], [[1, 2, 3, 4, 5, 6, EOS, 0]])  # was cut to 1 2 3 4
+    np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3, 0, 1, 2, 0]])   # each piece fits the table
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 0]])
+    np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 1, 0, 1, 1, 0, 0]])  # no target across the cut
 
 
 def test_too_long_without_truncation_is_an_error():
@@ -257,7 +259,9 @@ def test_tokenize_and_pack_worker_without_ray(tokenizer):
     with pytest.raises(SequenceTooLongError, match="max_position_embeddings=8"):
         udf(pa.table({"text": ["word " * 40]}))
     out = TokenizeAndPack(tokenizer, 16, max_position_embeddings=8, truncation=True)(pa.table({"text": ["word " * 40, ""]}))
-    assert out["input_ids"].shape == (1, 16) and out["positions"].max() == 7
+    # Split into documents of 8 tokens, not cut to the first 8: every token of the text is still there.
+    n_tokens = len(tokenizer("word " * 40, add_special_tokens=False)["input_ids"])
+    assert out["positions"].max() == 7 and (out["segment_ids"] > 0).sum() >= n_tokens
     with pytest.raises(MissingColumnError, match=r"\['body'\]"):
         udf(pa.table({"body": ["x"]}))
 
@@ -345,3 +349,19 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
     with pytest.raises(ValueError, match="cannot tell the file format"):
         load_text_dataset(tmp_path)  # a directory mixing three formats
+
+
+def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused(ray_cluster, tokenizer):
+    from ray_jax_train.lm import TrainingArguments
+    from ray_jax_train.lm.data import check_tokenizer_fits, prepare_lm_dataset
+
+    row = pack_documents([[5, 6, 7, EOS]], 8)
+    row = {k: v[0] for k, v in row.items()}
+    args = TrainingArguments(total_steps=1, batch_size=1, max_sequence_length=8)
+    prepare_lm_dataset([row], None, args)  # our own packing: segments from 1
+    zero_based = dict(row, segment_ids=row["segment_ids"] - 1)  # a first document numbered 0 attends to nothing
+    with pytest.raises(ValueError, match="segment_ids is 0, which marks padding"):
+        prepare_lm_dataset([zero_based], None, args)
+    check_tokenizer_fits(tokenizer, len(tokenizer))
+    with pytest.raises(ValueError, match=f"ids up to {len(tokenizer) - 1}.*vocab_size is {len(tokenizer) - 1}"):
+        check_tokenizer_fits(tokenizer, len(tokenizer) - 1)  # JAX would gather NaN for the last id

@@ -33,8 +33,10 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
     except text.TextDataError as exc:
         raise type(exc)(f"{what}: {exc}") from None
     if names is not None and all(name in names for name in REQUIRED):
-        if not dataset.take(1):
+        first = dataset.take(1)
+        if not first:
             raise text.EmptyDatasetError(f"{what}: the dataset has no rows")
+        _check_padding_segment(first[0], what)
         packed = dataset
     else:
         if tokenizer is None:
@@ -60,7 +62,7 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
 def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: TrainingArguments, *,
                         max_position_embeddings: Optional[int] = None, data_collator: Optional[Callable] = None,
                         materialize: bool = False, names: Tuple[str, str] = ("dataset_train", "dataset_eval"),
-                        ) -> Tuple[Dict[str, Any], List[str], int]:
+                        vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str], int]:
     """(datasets {"train"[, "eval"]}, the columns to feed, the run's total steps) for the built-in loop.
 
     The one driver-side path that every entry point (Python API, JSON config, CLI, Tune trials) takes, so each
@@ -70,6 +72,8 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
     """
     from ray.data.dataset import MaterializedDataset
 
+    if vocab_size is not None:
+        check_tokenizer_fits(tokenizer, vocab_size)
     train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
                                            max_position_embeddings=max_position_embeddings, what=names[0])
     datasets = {"train": train_ds}
@@ -95,6 +99,31 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
         raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
                          "warmup_steps or train longer.")
     return datasets, columns, total_steps
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
+    """Every id the tokenizer can give, padding included, must have a row in the embedding: JAX gathers NaN for
+    an id past the table instead of failing, and the NaN spreads through attention to the whole batch."""
+    if tokenizer is None:
+        return
+    largest = max([len(tokenizer) - 1] + [i for i in (tokenizer.pad_token_id,) if i is not None])
+    if largest >= vocab_size:
+        raise ValueError(f"The tokenizer gives ids up to {largest} (pad_token_id={tokenizer.pad_token_id}, "
+                         f"{len(tokenizer)} tokens) but the model's vocab_size is {vocab_size}. Give the model a "
+                         "vocab_size of at least len(tokenizer), or use the tokenizer it was trained with.")
+
+
+def _check_padding_segment(row: Dict[str, Any], what: str) -> None:
+    """Pre-tokenised rows follow our packing: segment id 0 is padding, which attends to nothing else. Rows that
+    number their first document 0 would train it without context; said here, on a row the driver has anyway."""
+    import numpy as np
+
+    if "segment_ids" not in row:
+        return
+    trained_padding = (np.asarray(row["segment_ids"]) == 0) & (np.asarray(row["loss_mask"]) != 0)
+    if trained_padding.any():
+        raise ValueError(f"{what}: a row has loss_mask 1 where segment_ids is 0, which marks padding; number the "
+                         "documents of a row from 1 (as ray_jax_train.text.pack_documents does).")
 
 
 def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:

@@ -259,7 +259,7 @@ class RayDistributedTrainer:
         tokenizer = self._maybe_tokenizer()
         datasets, columns, total_steps = prepare_lm_datasets(
             dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
-            max_position_embeddings=config.max_position_embeddings)
+            max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
 
         run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = JaxTrainer(

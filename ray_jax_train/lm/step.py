@@ -114,8 +114,10 @@ def loss_sums(graphdef, params, batch: Batch) -> Tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, params)
     inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
     logits = model(batch["input_ids"], inputs.pop("attention_mask", None), **inputs)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
+    # Untrained targets (padding) become 0: an id past the vocabulary gives a NaN loss, and NaN * 0 is NaN.
+    targets = jnp.where(batch["loss_mask"] != 0, batch["targets"], 0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if "valid" in batch:  # padding rows of a padded eval batch
         mask = mask * batch["valid"].astype(jnp.float32)[:, None]
     return jnp.sum(losses * mask), jnp.sum(mask)

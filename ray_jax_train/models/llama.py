@@ -119,6 +119,10 @@ def make_attention_mask(batch: int, seq: int, attention_mask: Optional[jax.Array
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         allowed = allowed & same & (segment_ids[:, None, :] != 0)
+        # A padding query (segment 0) sees only itself: with no key at all, its softmax would spread evenly over
+        # every key, future ones included, and leak them into a row that numbers a real document 0.
+        padding_query = (segment_ids == 0)[:, :, None] & (q_idx == k_idx)[None]
+        allowed = allowed | padding_query
     return allowed
 
 

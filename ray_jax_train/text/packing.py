@@ -22,7 +22,8 @@ restarting, and with learned embeddings it keeps every position in the table's r
 as the document fits it. The last token of a piece still predicts the first token of the next
 piece (it is the same document), so splitting loses no training signal; only attention across
 the cut is lost. Because positions continue, a document longer than ``max_position_embeddings``
-cannot be represented: with ``truncation=True`` it is cut to that length, with
+cannot be represented: with ``truncation=True`` it is split into documents of that length (each
+starts again at position 0; only the prediction across each cut is lost, never the tokens), with
 ``truncation=False`` it raises ``SequenceTooLongError``. Documents with fewer than two tokens are
 dropped: they hold no next-token prediction.
 """
@@ -39,15 +40,20 @@ PACKED_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 
 def limit_document(tokens: np.ndarray, label_mask: np.ndarray, *, index: int,
                    max_position_embeddings: int | None, truncation: bool):
-    """Apply the position-table limit to one document: cut it or raise, see the module doc."""
+    """Apply the position-table limit to one document: a list of (tokens, label mask) documents that fit it.
+
+    With truncation a long document is split, not cut: cutting dropped most of the text of long files (69% of
+    the quick start's stdlib docstring tokens at 2048).
+    """
     if max_position_embeddings is None or len(tokens) <= max_position_embeddings:
-        return tokens, label_mask
+        return [(tokens, label_mask)]
     if truncation:
-        return tokens[:max_position_embeddings], label_mask[:max_position_embeddings]
+        step = max_position_embeddings
+        return [(tokens[a:a + step], label_mask[a:a + step]) for a in range(0, len(tokens), step)]
     raise SequenceTooLongError(
         f"document {index} has {len(tokens)} tokens, more than max_position_embeddings="
         f"{max_position_embeddings}, and truncation is off. Positions continue across packed rows, "
-        f"so the model cannot represent it. Pass truncation=True to cut long documents to "
+        f"so the model cannot represent it. Pass truncation=True to split long documents into documents of "
         f"{max_position_embeddings} tokens, or filter them out before tokenising.")
 
 
@@ -91,20 +97,20 @@ def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *,
             mask = np.asarray(label_masks[i], dtype=np.int32).reshape(-1)
             if len(mask) != len(tokens):
                 raise ValueError(f"document {i}: label mask has {len(mask)} entries for {len(tokens)} tokens")
-        tokens, mask = limit_document(tokens, mask, index=i, truncation=truncation,
-                                      max_position_embeddings=max_position_embeddings)
-        if len(tokens) < 2:
-            continue
-        a = 0
-        while len(tokens) - a > seq_len:  # full rows first, so only the remainder competes for space
-            row = _place(rows_fill, open_rows, seq_len, seq_len)
-            pieces.append((row, 0, tokens, mask, a, a + seq_len))
-            rows_fill[row] = seq_len
-            a += seq_len
-        n = len(tokens) - a
-        row = _place(rows_fill, open_rows, n, seq_len)
-        pieces.append((row, rows_fill[row], tokens, mask, a, len(tokens)))
-        rows_fill[row] += n
+        for tokens, mask in limit_document(tokens, mask, index=i, truncation=truncation,
+                                           max_position_embeddings=max_position_embeddings):
+            if len(tokens) < 2:
+                continue
+            a = 0
+            while len(tokens) - a > seq_len:  # full rows first, so only the remainder competes for space
+                row = _place(rows_fill, open_rows, seq_len, seq_len)
+                pieces.append((row, 0, tokens, mask, a, a + seq_len))
+                rows_fill[row] = seq_len
+                a += seq_len
+            n = len(tokens) - a
+            row = _place(rows_fill, open_rows, n, seq_len)
+            pieces.append((row, rows_fill[row], tokens, mask, a, len(tokens)))
+            rows_fill[row] += n
 
     n_rows = len(rows_fill)
     out = {k: np.zeros((n_rows, seq_len), dtype=np.int32) for k in PACKED_KEYS}
