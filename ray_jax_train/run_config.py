@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -67,6 +68,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+def _expand_user(value):
+    """`~/corpus.txt` as the shell would read it (only storage_path did); URIs and 'stdlib' untouched."""
+    if isinstance(value, list):
+        return [_expand_user(v) for v in value]
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    return value
+
+
 def _model_section():
     """`model:` takes every LlamaConfig field (all optional) plus the architecture name and starting weights."""
     fields: Dict[str, Any] = {
@@ -76,7 +86,8 @@ def _model_section():
     for name, info in LlamaConfig.model_fields.items():
         if name != "model_type":
             fields[name] = (Optional[info.annotation], None)
-    return create_model("ModelSection", __base__=_Section, **fields)
+    expand = field_validator("init_from", mode="before")(lambda cls, value: _expand_user(value))
+    return create_model("ModelSection", __base__=_Section, __validators__={"_expand": expand}, **fields)
 
 
 ModelSection = _model_section()
@@ -93,6 +104,8 @@ class DataSection(_Section):
     eval_source: Optional[Union[str, List[str]]] = None
     eval_fraction: float = Field(0.0, ge=0, lt=1)
 
+    _expand = field_validator("source", "eval_source", mode="before")(lambda cls, value: _expand_user(value))
+
     def paths(self, which: str = "source") -> List[str]:
         value = getattr(self, which)
         if value is None or value == "stdlib":
@@ -105,6 +118,8 @@ class TokenizerSection(_Section):
 
     path: Optional[str] = None
     vocab_size: int = Field(512, ge=263)
+
+    _expand = field_validator("path", mode="before")(lambda cls, value: _expand_user(value))
 
 
 class ScalingSection(_Section):
@@ -202,6 +217,8 @@ class ExperimentConfig(_Section):
             except ValueError as exc:
                 raise ConfigError(f"model: {exc}. The run ends by exporting a Hugging Face model, which this config "
                                   "cannot be; fix the model section") from None
+        if self.tune is not None:
+            self._check_tune_metric()
         if not self.scaling.worker_resources():
             raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")
@@ -295,6 +312,24 @@ class ExperimentConfig(_Section):
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
 
+    def has_eval_data(self) -> bool:
+        return self.data.eval_source is not None or (not self.data.paths() and self.data.eval_fraction > 0)
+
+    def _check_tune_metric(self) -> None:
+        """Tune stops the whole search at the first report without its metric: a typo, or eval_* without eval
+        data, would fail only once Ray is up, a tokenizer trained and a trial compiled."""
+        from ray_jax_train.lm.loop import REPORTED_KEYS
+
+        metric = self.tune.metric
+        if metric not in REPORTED_KEYS:
+            close = difflib.get_close_matches(metric, REPORTED_KEYS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"tune.metric: {metric!r} is not a metric the training loop reports. {hint}"
+                              f"Reported: {', '.join(REPORTED_KEYS)}")
+        if metric.startswith("eval_") and not self.has_eval_data():
+            raise ConfigError(f"tune.metric: {metric!r} needs eval data; set data.eval_source (or, for the stdlib "
+                              "corpus, data.eval_fraction > 0), or tune on 'loss'")
+
     def with_absolute_paths(self) -> "ExperimentConfig":
         """A copy whose local paths are absolute (URIs as given): for code that runs in another working directory,
         such as a Tune trial, which Ray moves into a directory of its own."""
@@ -327,9 +362,15 @@ def read_file(path: str) -> Dict[str, Any]:
     with open(path) as f:
         text = f.read()
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        if path.endswith(".json"):
+            data = json.loads(text, object_pairs_hook=_no_duplicate_pairs)
+        else:
+            data = yaml.load(text, Loader=_NoDuplicatesLoader)  # noqa: S506 (a SafeLoader)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: key {exc} is given twice; the second would silently replace the first. Merge "
+                          "them into one") from None
     if data is None:
         data = {}
     data = _numbers(data)
@@ -337,6 +378,32 @@ def read_file(path: str) -> Dict[str, Any]:
         raise ConfigError(f"{path}: the top level must be a mapping of sections "
                           f"({', '.join(ExperimentConfig.model_fields)}), got {type(data).__name__}")
     return data
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_pairs(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(repr(key))
+        seen[key] = value
+    return seen
+
+
+class _NoDuplicatesLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error, not last-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"{key!r} (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -462,6 +529,17 @@ def _check_search_space(key: str, spec: Any) -> None:
         if name == "quniform" and len(args) != 3:
             raise ValueError(f"tune.param_space.{key}.{name}: expected [low, high, q] (values rounded to a "
                              f"multiple of q), got {args!r}")
+        if name in ("uniform", "loguniform", "randint", "quniform"):
+            # Tune itself would only say so once a search had started (Ray up, a tokenizer trained).
+            low, high = args[0], args[1]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in args):
+                raise ValueError(f"tune.param_space.{key}.{name}: bounds must be numbers, got {args!r}")
+            if low >= high:
+                raise ValueError(f"tune.param_space.{key}.{name}: low {low} must be below high {high}")
+            if name == "loguniform" and low <= 0:
+                raise ValueError(f"tune.param_space.{key}.loguniform: low {low} must be > 0 (a log scale)")
+            if name == "quniform" and args[2] <= 0:
+                raise ValueError(f"tune.param_space.{key}.quniform: q {args[2]} must be > 0")
 
 
 def _unknown_key(path: str, key: str, fields, exclude=()) -> str:
@@ -541,13 +619,23 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
     return texts
 
 
-def ensure_tokenizer(config: ExperimentConfig, directory: str):
-    """The configured tokenizer, or one trained now on the data and saved in `directory` (offline)."""
+def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):
+    """The configured tokenizer, or one trained now on the data and saved in `directory` (offline).
+
+    `reuse`: a tokenizer already in `directory` is loaded instead. A resumed run must keep the one its checkpoint
+    was trained with: one trained again on changed data has the same size but other ids, so the weights would
+    restore without complaint and train on scrambled tokens.
+    """
+    from ray_jax_train.storage import exists, join, local_dir_for
     from ray_jax_train.text import ensure_pad_token, load_tokenizer, train_tokenizer
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
-    from ray_jax_train.storage import local_dir_for
+    if reuse and exists(join(directory, "tokenizer.json")):
+        logging.getLogger(__name__).warning(
+            "Reusing this run's tokenizer %s (training.resume_if_possible); a new run.name trains a new one.",
+            directory)
+        return ensure_pad_token(load_tokenizer(directory))
 
     with local_dir_for(directory) as local:  # run storage may be a URI: written locally, then copied there
         tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=local)
@@ -643,7 +731,8 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     run_dir = os.path.join(storage, name)
     if tokenizer_path is not None:
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
-    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"))
+    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"),
+                                 reuse=config.training_arguments().resume_if_possible)
     model_config = config.llama_config(tokenizer)
     args = config.training_arguments(run_name=name)
     if args.mesh is None:

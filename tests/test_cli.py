@@ -206,3 +206,38 @@ def test_entry_points(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ray_jax_train", "config", "validate", TINY, "--set", "x.y=1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "x: unknown key" in done.stderr
+
+
+def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypatch):
+    from ray_jax_train.run_config import ConfigError, ensure_tokenizer, parse_config, read_file
+
+    # A section given twice was last-wins: its first half vanished with "valid".
+    (tmp_path / "twice.yaml").write_text("training:\n  learning_rate: 0.01\nmodel:\n  type: llama\ntraining:\n  total_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"'training' \(line 5\) is given twice"):
+        read_file(str(tmp_path / "twice.yaml"))
+    (tmp_path / "twice.json").write_text('{"training": {"total_steps": 3, "total_steps": 4}}')
+    with pytest.raises(ConfigError, match="'total_steps' is given twice"):
+        read_file(str(tmp_path / "twice.json"))
+    # Tune checks that failed only after Ray, a tokenizer and a trial's compile (or never: a wrong metric).
+    space = {"training.learning_rate": {"choice": [1e-3, 3e-3]}}
+    with pytest.raises(ConfigError, match="'eval_los' is not a metric .* did you mean 'eval_loss'"):
+        parse_config({"tune": {"metric": "eval_los", "param_space": space}})
+    with pytest.raises(ConfigError, match="'eval_loss' needs eval data"):
+        parse_config({"tune": {"metric": "eval_loss", "param_space": space}})
+    parse_config({"tune": {"metric": "eval_loss", "param_space": space}, "data": {"eval_fraction": 0.1}})
+    for bad, message in [({"loguniform": [0, 1e-2]}, "must be > 0"), ({"randint": [3, 1]}, "must be below high"),
+                         ({"quniform": [1e-3, 1e-2, 0]}, "q 0 must be > 0")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"tune": {"param_space": {"training.learning_rate": bad}}})
+    # `~` was expanded only in run.storage_path.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    assert parse_config({"data": {"source": "~/corpus.txt"}}).data.paths() == [str(tmp_path / "corpus.txt")]
+    # A resumed run keeps its tokenizer: one trained again on changed data has the same size and other ids.
+    first = parse_config({"data": {"max_docs": 20}, "tokenizer": {"vocab_size": 300}})
+    saved = ensure_tokenizer(first, str(tmp_path / "tok"))
+    changed = parse_config({"data": {"max_docs": 60}, "tokenizer": {"vocab_size": 300}})
+    text = "Return the number of items in the container."
+    assert ensure_tokenizer(changed, str(tmp_path / "tok"), reuse=True)(text)["input_ids"] == saved(text)["input_ids"]
+    retrained = ensure_tokenizer(changed, str(tmp_path / "tok2"))
+    assert retrained(text)["input_ids"] != saved(text)["input_ids"]  # what a resume used to get

@@ -86,6 +86,9 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     _, params = split_model(trainer.create_model(scaling_index=1))
     assert_same_params(record / "initial_params.npz", flat(params))
     records = read_metrics(result.path)
+    from ray_jax_train.lm.loop import REPORTED_KEYS  # what a Tune metric is checked against on the driver
+
+    assert set().union(*records) <= set(REPORTED_KEYS), set().union(*records) - set(REPORTED_KEYS)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 8
     assert losses[-1] < 0.6 * losses[0], losses

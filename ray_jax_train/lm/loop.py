@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
 STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device")
+# Every key a record (metrics.jsonl, ray.train.report) can carry; eval_* only on eval steps. A Tune metric must
+# be one of these (checked on the driver).
+REPORTED_KEYS = ("step", "epoch", "loss", "perplexity", "grad_norm", "loss_tokens", "learning_rate", "tokens_per_s",
+                 "step_time_s", "mfu", "eval_loss", "eval_perplexity", "eval_tokens") + STARTUP_KEYS
 
 
 def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], columns: List[str], has_eval: bool,
