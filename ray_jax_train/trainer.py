@@ -141,11 +141,17 @@ def _fast_report_polling(interval_s: str = "0.1"):
     every 2 s stalls in `report`: measured 2.0 s per call on 1 or 2 workers. Ray propagates this variable from
     the driver to its controller; a value the user set is left alone.
     """
-    key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    with env_unless_set("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", interval_s):
+        yield
+
+
+@contextlib.contextmanager
+def env_unless_set(key: str, value: str):
+    """`key=value` in this process while the block runs, unless the user set `key` already."""
     if key in os.environ:
         yield
         return
-    os.environ[key] = interval_s
+    os.environ[key] = value
     try:
         yield
     finally:

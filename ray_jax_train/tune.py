@@ -11,7 +11,6 @@ only in what the param space changes. The best trial is written to `<storage>/<s
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -21,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
                                       check_cluster_fits, ensure_tokenizer, parse_config, read_file)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
+from ray_jax_train.trainer import env_unless_set
 
 __all__ = ["TuneOutcome", "restore_best", "run", "search_space"]
 
@@ -178,7 +178,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step
     # on), and Tune's strict check would stop the whole search at the first report without its metric; its
     # schedulers skip such reports anyway. The metric's name was checked on the driver (parse_config).
-    with _env("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
+    with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
         results = tuner.fit()
     errors = [r.error for r in results if r.error is not None]
     best = None
@@ -204,19 +204,6 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         with open(os.path.join(experiment_dir, "best.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return outcome
-
-
-@contextlib.contextmanager
-def _env(key: str, value: Optional[str]):
-    """`key=value` in this process while the block runs (None: leave the environment alone)."""
-    if value is None or key in os.environ:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
 
 
 def _plain(metrics: Dict[str, Any]) -> Dict[str, Any]:
