@@ -331,3 +331,41 @@ def test_bf16_compute_keeps_float32_master_weights():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))
     assert np.isfinite(float(second["loss"])) and float(second["loss"]) < float(first["loss"])
     assert _max_diff(state["params"], params) > 1e-3
+
+
+def test_the_step_hands_the_state_back_sharded_as_it_came_in():
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.step import jit_train_step
+
+    # Micro-batches of 2 rows over 4 fsdp shards (the driver refuses this for the built-in loop; a hand-written
+    # loop calling the step can still run it): before, XLA gave the norm weights and their moments back
+    # fsdp-sharded, so the second step compiled again and could not reuse the donated buffers.
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    rows = {k: np.minimum(v[:4], 63) for k, v in packed_rows().items()}
+    mesh = rjt.make_mesh({"fsdp": 4})
+    batch = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec("fsdp"))) for k, v in rows.items()}
+    args = TrainingArguments(total_steps=3, batch_size=4, gradient_accumulation_steps=2, max_sequence_length=SEQ)
+    optimizer, _ = make_optimizer(args, 3)
+    graphdef, params = split_model(create_model(config))
+    shardings = state_lib.state_shardings(jax.eval_shape(lambda p: new_state(p, optimizer), params), mesh)
+    state = jax.jit(lambda p: new_state(p, optimizer), out_shardings=shardings)(params)
+    step = jit_train_step(graphdef, optimizer, 2, shardings, mesh)
+    with jax.set_mesh(mesh):
+        for _ in range(3):
+            state, _ = step(state, batch)
+    expected = dict(jax.tree_util.tree_leaves_with_path(shardings))
+    changed = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state)
+               if not x.sharding.is_equivalent_to(expected[p], x.ndim)]
+    assert not changed, changed
+    assert step._cache_size() == 1
+
+
+def test_mesh_axes_the_loop_cannot_use_are_refused():
+    # An axis the partition rules never name would give its devices the same work (e.g. 'model' for 'tp').
+    with pytest.raises(ValueError, match="mesh axis 'model'=4 is not one the built-in Llama loop splits over"):
+        TrainingArguments(total_steps=1, mesh={"dp": 2, "model": 4})
+    TrainingArguments(total_steps=1, mesh={"dp": 1, "fsdp": -1, "ep": 1, "tp": 1})  # size 1: harmless
+    args = TrainingArguments(total_steps=1, batch_size=8, max_sequence_length=6, mesh={"fsdp": -1, "sp": 4})
+    with pytest.raises(ValueError, match="max_sequence_length=6 does not split over mesh axis 'sp'=4"):
+        args.check_devices(8)  # the activation constraint would silently drop sp

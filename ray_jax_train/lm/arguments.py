@@ -5,6 +5,7 @@ to the workers as a plain dict (`model_dump()`), so they must stay JSON-friendly
 """
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Dict, Literal, Optional
 
@@ -101,6 +102,14 @@ class TrainingArguments(BaseModel):
         axes = validate_axes(value)
         if not any(name in axes for name in ("dp", "fsdp", "data")):
             raise ValueError(f"mesh={axes} has no batch axis; include 'dp' or 'fsdp' (e.g. {{'dp': -1}})")
+        known = ("dp", "fsdp", "tp", "sp", "data")
+        for name, size in axes.items():
+            if name not in known and size != 1:
+                # The partition rules name only the known axes: this one's devices would all repeat the same work.
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.3)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"mesh axis {name!r}={size} is not one the built-in Llama loop splits over{hint}; "
+                                 f"use {', '.join(known)}, or give it size 1")
         return axes
 
     @model_validator(mode="after")
@@ -144,6 +153,10 @@ class TrainingArguments(BaseModel):
         from ray_jax_train.mesh import resolve_axes
 
         axes = resolve_axes(self.mesh or {"dp": -1}, num_devices)
+        sp = axes.get("sp", 1)
+        if self.max_sequence_length % sp:  # the activation constraint would silently drop sp, every device the whole sequence
+            raise ValueError(f"max_sequence_length={self.max_sequence_length} does not split over mesh axis "
+                             f"'sp'={sp}; use a multiple of {sp}.")
         shards = math.prod(size for name, size in axes.items() if name in ("dp", "fsdp", "data"))
         for name, size in (("micro-batch (batch_size / gradient_accumulation_steps)", self.micro_batch_size),
                            ("eval_batch_size", self.eval_batch_size)):

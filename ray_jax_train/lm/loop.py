@@ -59,7 +59,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.arguments import TrainingArguments
     from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
-    from ray_jax_train.lm.step import keep_hyperparameters, make_eval_step, make_optimizer, make_train_step, new_state
+    from ray_jax_train.lm.step import (jit_train_step, keep_hyperparameters, make_eval_step, make_optimizer,
+                                       new_state)
     from ray_jax_train.mesh import make_mesh
     from ray_jax_train.models import flops_per_token
     from ray_jax_train.sharding import check_llama_parallelism
@@ -91,10 +92,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     optimizer, schedule = make_optimizer(args, total_steps)
     graphdef, _ = state_lib.abstract_params(model_config)
     new_state_fn = lambda params, step: new_state(params, optimizer, step)  # noqa: E731
-    step_fn = jax.jit(make_train_step(graphdef, optimizer, args.gradient_accumulation_steps), donate_argnums=(0,))
+    abstract = state_lib.abstract_state(model_config, mesh, new_state_fn)
+    step_fn = jit_train_step(graphdef, optimizer, args.gradient_accumulation_steps,
+                             jax.tree.map(lambda leaf: leaf.sharding, abstract), mesh)
     if first_epoch is not None:
-        first_epoch = _compile_ahead(step_fn, mesh, lambda: state_lib.abstract_state(model_config, mesh, new_state_fn),
-                                     first_epoch)
+        first_epoch = _compile_ahead(step_fn, mesh, lambda: abstract, first_epoch)
     state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}

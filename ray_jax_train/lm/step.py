@@ -135,6 +135,19 @@ def _micro_batches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def jit_train_step(graphdef, optimizer: optax.GradientTransformation, accumulation_steps: int, state_shardings,
+                   mesh) -> Callable:
+    """The jitted step, donating the state and handing it back sharded as it came in (`state_shardings`).
+
+    Left to itself, XLA gave an fsdp-only mesh with gradient accumulation its norm weights (and their moments)
+    back fsdp-sharded instead of replicated: the step compiled a second time, and the donation missed.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(make_train_step(graphdef, optimizer, accumulation_steps), donate_argnums=(0,),
+                   out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())))
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1) -> Callable:
     """`train_step(state, batch) -> (state, metrics)`; metrics are device scalars (no host sync)."""
     grad_fn = jax.value_and_grad(lambda p, b: loss_sums(graphdef, p, b), has_aux=True)
