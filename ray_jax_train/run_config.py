@@ -211,6 +211,23 @@ class ExperimentConfig(_Section):
         # TrainingArguments' and LlamaConfig's own validation, with errors re-rooted under training./model.
         args = self.training_arguments()
         model = self.llama_config()
+        # Also here, not only when `fit` builds the trainer: `config validate` and a Tune search's base config get
+        # them too (a search otherwise failed every trial the same way, after Ray was up).
+        if args.num_devices() is not None:
+            try:
+                args.check_devices(args.num_devices())
+            except ValueError as exc:
+                raise ConfigError(f"training/scaling: {exc}") from None
+        if args.max_sequence_length > model.max_position_embeddings:
+            raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
+                              f"model.max_position_embeddings={model.max_position_embeddings}")
+        s = self.scaling
+        if not s.use_gpu and (s.gpus_per_worker is not None or s.gpu_memory_fraction is not None):
+            raise ConfigError("scaling.gpus_per_worker / gpu_memory_fraction are set but scaling.use_gpu is false, "
+                              "so the run would use CPUs; set scaling.use_gpu: true, or remove them")
+        if self.data.source == [] or self.data.eval_source == []:
+            raise ConfigError("data.source / data.eval_source: an empty list; give files, or 'stdlib' for the "
+                              "built-in corpus")
         if args.save_final_model:
             try:  # the export runs after the last step: a config it refuses must fail now, not after training
                 model.to_hf_dict()
@@ -372,7 +389,8 @@ def read_file(path: str) -> Dict[str, Any]:
         raise ConfigError(f"{path}: key {exc} is given twice; the second would silently replace the first. Merge "
                           "them into one") from None
     if data is None:
-        data = {}
+        raise ConfigError(f"{path}: the file is empty; start from examples/tiny_llama.yaml (an empty config would "
+                          "mean Llama's default sizes, 4096 wide and 32 layers)")
     data = _numbers(data)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections "

@@ -241,3 +241,20 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
     assert ensure_tokenizer(changed, str(tmp_path / "tok"), reuse=True)(text)["input_ids"] == saved(text)["input_ids"]
     retrained = ensure_tokenizer(changed, str(tmp_path / "tok2"))
     assert retrained(text)["input_ids"] != saved(text)["input_ids"]  # what a resume used to get
+
+
+def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ignored(tmp_path):
+    from ray_jax_train.run_config import ConfigError, parse_config, read_file
+
+    # Checked only when `fit` built the trainer before: `config validate` said "valid", a Tune search failed every trial.
+    with pytest.raises(ConfigError, match=r"training/scaling: Mesh axes \{'dp': 3\} multiply to 3 devices"):
+        parse_config({"scaling": {"mesh": {"dp": 3}}})
+    with pytest.raises(ConfigError, match="max_sequence_length=128 exceeds model.max_position_embeddings=64"):
+        parse_config({"training": {"max_sequence_length": 128}, "model": {"max_position_embeddings": 64}})
+    with pytest.raises(ConfigError, match="scaling.use_gpu is false"):  # it ran on CPUs
+        parse_config({"scaling": {"gpus_per_worker": 0.5}})
+    with pytest.raises(ConfigError, match="an empty list"):  # it trained on the stdlib corpus
+        parse_config({"data": {"source": []}})
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match="the file is empty"):  # Llama's default sizes: 4096 wide, 32 layers
+        read_file(str(tmp_path / "empty.yaml"))
