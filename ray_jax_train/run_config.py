@@ -755,14 +755,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     args = config.training_arguments(run_name=name)
     if args.mesh is None:
         args.mesh = {"dp": -1}
-    if args.num_devices() is not None:
-        try:
-            args.check_devices(args.num_devices())
-        except ValueError as exc:
-            raise ConfigError(f"training/scaling: {exc}") from None
-    if args.max_sequence_length > model_config.max_position_embeddings:
-        raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
-                          f"model.max_position_embeddings={model_config.max_position_embeddings}")
+    # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check).
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)
 
     train_source, eval_source = _datasets(config)
