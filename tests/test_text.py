@@ -365,3 +365,9 @@ def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused
     check_tokenizer_fits(tokenizer, len(tokenizer))
     with pytest.raises(ValueError, match=f"ids up to {len(tokenizer) - 1}.*vocab_size is {len(tokenizer) - 1}"):
         check_tokenizer_fits(tokenizer, len(tokenizer) - 1)  # JAX would gather NaN for the last id
+
+
+def test_special_token_text_inside_a_document_stays_text(tokenizer):
+    doc = encode_texts(tokenizer, [f"see {tokenizer.eos_token} here"])[0].tolist()
+    # Before: the literal "<|eos|>" became a real eos mid-document, with no segment boundary after it.
+    assert doc.count(tokenizer.eos_token_id) == 1 and doc[-1] == tokenizer.eos_token_id

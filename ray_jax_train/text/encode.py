@@ -25,8 +25,9 @@ def encode_texts(tokenizer, texts: Sequence[str | None], *, add_bos: bool = True
     eos = _eos_id(tokenizer)
     bos = [int(tokenizer.bos_token_id)] if add_bos and tokenizer.bos_token_id is not None else []
     # Special tokens are placed here, not by the tokenizer's post-processor, so every tokenizer
-    # gives the same layout whatever its own defaults are.
-    ids = tokenizer([t or "" for t in texts], add_special_tokens=False)["input_ids"]
+    # gives the same layout whatever its own defaults are. Their text inside a document ("<|eos|>" in a file
+    # about tokenizers) is text: read as the real token, it ended the document mid-row with no boundary.
+    ids = tokenizer([t or "" for t in texts], add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return [np.asarray(bos + list(x) + [eos], dtype=np.int64) for x in ids]
 
 
