@@ -76,7 +76,9 @@ def process_rows(sharding, batch_size: int) -> int:
         raise ValueError(
             f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
             f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "
-            "mesh so that each process owns a distinct block of the batch."
+            "mesh so that each process owns a distinct block of the batch. If they are first, a later axis (tp, "
+            f"sp) spans processes: this process has {jax.local_device_count()} devices, and the product of the "
+            "axes after the data axes must divide that (e.g. tp=2 needs 2 devices per worker)."
         )
     return per_process
 
