@@ -460,6 +460,9 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
         key, raw = item.split("=", 1)
         key = key.strip()
         parts = key.split(".")
+        if parts[:2] == ["tune", "param_space"] and len(parts) > 2:
+            # A searched key is itself dotted: tune.param_space.training.learning_rate names one entry.
+            parts = parts[:2] + [".".join(parts[2:])]
         if not key or not all(parts):
             raise ConfigError(f"--set {item!r}: {key!r} is not a dotted key path like training.batch_size")
         resolve_path(parts, what="--set")

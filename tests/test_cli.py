@@ -258,3 +258,13 @@ def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ig
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ConfigError, match="the file is empty"):  # Llama's default sizes: 4096 wide, 32 layers
         read_file(str(tmp_path / "empty.yaml"))
+
+
+def test_set_reaches_a_dotted_search_key():
+    from ray_jax_train.run_config import load_config
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = load_config(os.path.join(here, "examples", "tune_tiny_llama.yaml"),
+                         ["tune.param_space.training.learning_rate={choice: [0.001, 0.003]}"])
+    # Before: split at every dot, it failed with "'training' is not tunable".
+    assert config.tune.param_space["training.learning_rate"] == {"choice": [0.001, 0.003]}
