@@ -108,6 +108,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             logger.info("Resuming at step %d from %s.", restored.step, restored.path)
+            if not restored.data_state and restored.step:
+                logger.warning("Checkpoint %s records no data position: step %d trains on the data from its start "
+                               "again (a checkpoint saved by another loop?).", restored.path, restored.step)
     step = int(jax.device_get(state["step"]))  # one sync, before the loop
 
     recorder = _Recorder(config.get("record_dir"), rank0)
