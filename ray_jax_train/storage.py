@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
@@ -94,16 +95,17 @@ def local_dir_for(destination: str, fs=None) -> Iterator[str]:
 class AppendOnlyFile:
     """A text file in run storage that grows by lines: appended locally, rewritten whole on object stores.
 
-    Object stores have no append; metrics files are small, so rewriting the file on each flush is cheap
-    enough, and lines an earlier (restarted) attempt wrote are kept.
+    Object stores have no append; metrics files are small, so rewriting the file is cheap enough at most every
+    `flush_every_s` (and on `close`), and lines an earlier (restarted) attempt wrote are kept.
     """
 
-    def __init__(self, fs, path: str):
+    def __init__(self, fs, path: str, flush_every_s: float = 30.0):
         import pyarrow.fs as pafs
 
         self._fs, self._path = fs, path
         self._local = isinstance(fs, pafs.LocalFileSystem)
         self._lines = b""
+        self._flush_every_s, self._flushed_at, self._dirty = flush_every_s, float("-inf"), False
         parent = path.rsplit("/", 1)[0]
         if self._local:
             os.makedirs(parent, exist_ok=True)
@@ -120,8 +122,17 @@ class AppendOnlyFile:
                 f.write(data)
             return
         self._lines += data
+        self._dirty = True
+        if time.monotonic() - self._flushed_at >= self._flush_every_s:
+            self.close()
+
+    def close(self) -> None:
+        """Write what is pending (object stores only; local lines are on disk already)."""
+        if self._local or not self._dirty:
+            return
         with self._fs.open_output_stream(self._path) as f:
             f.write(self._lines)
+        self._flushed_at, self._dirty = time.monotonic(), False
 
 
 def run_storage_dir(run_config) -> Optional[str]:

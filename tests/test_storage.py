@@ -41,8 +41,10 @@ def test_absolute_keeps_uris_and_anchors_local_paths(tmp_path, monkeypatch):
 def test_metrics_on_an_object_store_keep_an_earlier_attempts_lines(tmp_path):
     fs = object_store(tmp_path / "bucket")
     first = RunOutputs(fs, "/run").metrics_file()
-    first.append(json.dumps({"step": 1, "loss": 3.0}))
-    first.append(json.dumps({"step": 2, "loss": 2.5}))
+    first.append(json.dumps({"step": 1, "loss": 3.0}))  # written at once (the first write of an attempt)
+    first.append(json.dumps({"step": 2, "loss": 2.5}))  # held back: a rewrite at most every 30 s
+    assert len((tmp_path / "bucket" / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    first.close()
     again = RunOutputs(fs, "/run").metrics_file()  # a restarted attempt: no append on object stores
     again.append(json.dumps({"step": 2, "loss": 2.4}))
     lines = (tmp_path / "bucket" / "run" / "metrics.jsonl").read_text().splitlines()

@@ -194,6 +194,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 break
 
     progress.close()
+    if metrics_file is not None:
+        metrics_file.close()
     if checkpointer is not None:
         if args.save_steps and step % args.save_steps:
             checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
