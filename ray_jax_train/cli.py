@@ -189,7 +189,11 @@ def _summary(args, result, info, started: float) -> None:
         lines.append(f"checkpoint:  {result.checkpoint.path} (latest; {kept} kept)")
     else:
         lines.append("checkpoint:  none (set training.save_steps to save some)")
-    if exists(os.path.join(run_dir, "final_model")):
+    try:
+        has_final = exists(os.path.join(run_dir, "final_model"))
+    except (OSError, ValueError):  # storage out of reach now: the summary leaves the line out
+        has_final = False
+    if has_final:
         lines.append(f"final model: {os.path.join(run_dir, 'final_model')} (HF safetensors + tokenizer)")
     lines.append(f"resume:      {_resume_hint(args, info['name'])}")
     lines.append(f"plot:        ray-jax-train plot {run_dir}")

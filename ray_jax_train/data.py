@@ -45,9 +45,12 @@ def _check_split(name: str, iterator) -> None:
     """A trainer dataset left out of `DataConfig(datasets_to_split=...)` is whole on every worker: fed as
     process-local rows, each global batch would hold every row once per process, with no error."""
     import jax
-    from ray.data._internal.iterator.stream_split_iterator import StreamSplitDataIterator
 
-    if jax.process_count() > 1 and not isinstance(iterator, StreamSplitDataIterator):
+    if jax.process_count() == 1:
+        return
+    from ray.data._internal.iterator.stream_split_iterator import StreamSplitDataIterator  # private: import late
+
+    if not isinstance(iterator, StreamSplitDataIterator):
         raise ValueError(
             f"Dataset {name!r} is not split between the workers (DataConfig(datasets_to_split=...) leaves it out), "
             f"so each of the {jax.process_count()} processes would read all of it and every global batch would "

@@ -330,7 +330,10 @@ class ExperimentConfig(_Section):
             raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
 
     def has_eval_data(self) -> bool:
-        return self.data.eval_source is not None or (not self.data.paths() and self.data.eval_fraction > 0)
+        """Whether `_datasets` gives an eval set: eval_source, or (stdlib) a fraction that holds a document."""
+        if self.data.eval_source is not None:
+            return True
+        return not self.data.paths() and int(self.data.max_docs * self.data.eval_fraction) >= 1
 
     def _check_tune_metric(self) -> None:
         """Tune stops the whole search at the first report without its metric: a typo, or eval_* without eval
@@ -752,10 +755,9 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     run_dir = os.path.join(storage, name)
     if tokenizer_path is not None:
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
-    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"),
-                                 reuse=config.training_arguments().resume_if_possible)
-    model_config = config.llama_config(tokenizer)
     args = config.training_arguments(run_name=name)
+    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"), reuse=args.resume_if_possible)
+    model_config = config.llama_config(tokenizer)
     if args.mesh is None:
         args.mesh = {"dp": -1}
     # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check).

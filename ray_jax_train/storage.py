@@ -47,14 +47,12 @@ def join(base: str, *parts: str) -> str:
 
 
 def exists(path: str) -> bool:
-    """Whether a file or directory is there, local path or URI (False when storage cannot be reached)."""
+    """Whether a file or directory is there, local path or URI. Storage that cannot be reached raises: taken
+    for absence, a resumed run would train a new tokenizer over the one its checkpoint needs."""
     import pyarrow.fs as pafs
 
-    try:
-        fs, fs_path = filesystem(path)
-        return fs.get_file_info(fs_path).type != pafs.FileType.NotFound
-    except (OSError, ValueError):
-        return False
+    fs, fs_path = filesystem(path)
+    return fs.get_file_info(fs_path).type != pafs.FileType.NotFound
 
 
 def read_text(path: str) -> str:
@@ -133,18 +131,6 @@ class AppendOnlyFile:
         with self._fs.open_output_stream(self._path) as f:
             f.write(self._lines)
         self._flushed_at, self._dirty = time.monotonic(), False
-
-
-def run_storage_dir(run_config) -> Optional[str]:
-    """The run's directory when its storage is a local path (the case a node-local disk can break); else None."""
-    if run_config is None or getattr(run_config, "storage_filesystem", None) is not None:
-        return None
-    storage = str(run_config.storage_path or "")
-    if storage.startswith("file://"):
-        storage = storage[len("file://"):]
-    if not storage or is_uri(storage):
-        return None
-    return os.path.join(absolute(storage), run_config.name)
 
 
 def write_marker(run_dir: str) -> Tuple[str, str]:

@@ -136,12 +136,13 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     check_cluster_fits(base.scaling)
 
     name = tune_cfg.name or base.run_name().replace(base.model.type, f"tune-{base.model.type}", 1)
-    storage = absolute(base.run.storage_path)
+    # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
+    base = base.with_absolute_paths()
+    storage = base.run.storage_path
     tokenizer_path = base.tokenizer.path or os.path.join(storage, name, "tokenizer")
     if base.tokenizer.path is None:
         ensure_tokenizer(base, tokenizer_path)
-    # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
-    base_data = base.with_absolute_paths().model_dump(mode="json")
+    base_data = base.model_dump(mode="json")
     base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
     base_data["tune"] = None
 

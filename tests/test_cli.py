@@ -141,7 +141,7 @@ def test_unreadable_input_exits_2(tmp_path, capsys):
 
 def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys):
     # The session cluster has 4 CPUs: 9 one-CPU workers can never be placed; nor can 3 on 2 GPUs.
-    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=9"], capsys)
+    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=9", "--set", "training.batch_size=18"], capsys)
     assert code == 2 and "scaling.num_workers=9 can never be placed" in err and "CPU=4" in err, err
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=3", "--set", "scaling.use_gpu=true"], capsys)
     assert code == 2 and "GPU=2" in err, err

@@ -182,17 +182,11 @@ def _location_of(checkpoint) -> _Location:
         return checkpoint
     if hasattr(checkpoint, "filesystem") and hasattr(checkpoint, "path"):
         return _Location(checkpoint.filesystem, checkpoint.path, _uri_for(checkpoint.filesystem, checkpoint.path))
-    import pyarrow.fs as pafs
+    from ray_jax_train import storage
 
     text = str(checkpoint)
-    fs, path = pafs.FileSystem.from_uri(text if "://" in text else _abspath(text))
-    return _Location(fs, path, text if "://" in text else _abspath(text))
-
-
-def _abspath(path: str) -> str:
-    from ray_jax_train.storage import absolute
-
-    return absolute(path)
+    fs, path = storage.filesystem(text)
+    return _Location(fs, path, text if storage.is_uri(text) else path)
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -450,10 +444,20 @@ class JaxCheckpointer:
             return
         marker, token = os.path.join(loc.fs_path, storage.MARKER_NAME), ""
         if _sync.process_index() == 0:
-            marker, token = storage.write_marker(loc.fs_path)
+            try:
+                marker, token = storage.write_marker(loc.fs_path)
+            except OSError as exc:  # shared, so the others fail with the cause instead of waiting for a token
+                token = f"!process 0 cannot write in the run directory {loc.fs_path}: {exc}"
         token = _sync.broadcast("storage-token", token, timeout_ms=self._timeout_ms)
-        problems = _sync.allgather("storage", storage.marker_problem(marker, token) or "",
-                                   timeout_ms=self._timeout_ms)
+        if token.startswith("!"):
+            raise StorageNotSharedError(token[1:])
+        problem = storage.marker_problem(marker, token)
+        for _ in range(5):  # NFS may cache a directory's listing for a moment: read again before calling it missing
+            if problem is None:
+                break
+            time.sleep(0.2)
+            problem = storage.marker_problem(marker, token)
+        problems = _sync.allgather("storage", problem or "", timeout_ms=self._timeout_ms)
         bad = [f"process {i}: {problem}" for i, problem in enumerate(problems) if problem]
         if bad:
             raise StorageNotSharedError("; ".join(bad))

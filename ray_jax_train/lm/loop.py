@@ -96,7 +96,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     step_fn = jit_train_step(graphdef, optimizer, args.gradient_accumulation_steps,
                              jax.tree.map(lambda leaf: leaf.sharding, abstract), mesh)
     if first_epoch is not None:
-        first_epoch = _compile_ahead(step_fn, mesh, lambda: abstract, first_epoch)
+        first_epoch = _compile_ahead(step_fn, mesh, abstract, first_epoch)
     state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}
@@ -156,46 +156,48 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
-    if step < total_steps:
-        for epoch, seen, batch in epoch_batches(batches_of, position["epoch"], position["batch"], args.batch_size):
-            recorder.batch(step + 1, batch)
-            state, metrics = train_step(state, batch)
-            step, position = step + 1, {"epoch": epoch, "batch": seen}
-            pending.append(metrics)
-            if compiled:
-                throughput.step()
-            else:  # keep the first step's compile out of tokens/s: one extra sync, once
-                jax.block_until_ready(metrics)
-                throughput.start()
-                compiled = True
-                startup = _log_first_step(step, time.perf_counter() - started, recorder, state)
-            progress.update(1)
-            due_log = step % args.log_steps == 0 or step == total_steps
-            due_eval = config.get("has_eval") and (
-                (args.eval_steps and step % args.eval_steps == 0) or step == total_steps)
-            if due_log or due_eval:
-                record = {"step": step, "epoch": epoch, **startup}
-                startup = {}
-                if pending:
-                    record.update(_summarise(pending), learning_rate=float(schedule(step - 1)))
-                    record.update(throughput.read())
-                    pending = []
-                if due_eval:
-                    record.update(evaluate())
-                    throughput.start()  # eval time is not training throughput
-                last = {k: v for k, v in record.items() if k not in STARTUP_KEYS}  # re-sent with checkpoints
-                progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
-                if metrics_file is not None:
-                    metrics_file.append(json.dumps(record))
-                ray.train.report(record)
-            if checkpointer is not None:
-                checkpointer.maybe_save(step, state, metrics=lambda: dict(last), data_state=dict(position))
-            if step >= total_steps:
-                break
+    try:
+        if step < total_steps:
+            for epoch, seen, batch in epoch_batches(batches_of, position["epoch"], position["batch"], args.batch_size):
+                recorder.batch(step + 1, batch)
+                state, metrics = train_step(state, batch)
+                step, position = step + 1, {"epoch": epoch, "batch": seen}
+                pending.append(metrics)
+                if compiled:
+                    throughput.step()
+                else:  # keep the first step's compile out of tokens/s: one extra sync, once
+                    jax.block_until_ready(metrics)
+                    throughput.start()
+                    compiled = True
+                    startup = _log_first_step(step, time.perf_counter() - started, recorder, state)
+                progress.update(1)
+                due_log = step % args.log_steps == 0 or step == total_steps
+                due_eval = config.get("has_eval") and (
+                    (args.eval_steps and step % args.eval_steps == 0) or step == total_steps)
+                if due_log or due_eval:
+                    record = {"step": step, "epoch": epoch, **startup}
+                    startup = {}
+                    if pending:
+                        record.update(_summarise(pending), learning_rate=float(schedule(step - 1)))
+                        record.update(throughput.read())
+                        pending = []
+                    if due_eval:
+                        record.update(evaluate())
+                        throughput.start()  # eval time is not training throughput
+                    last = {k: v for k, v in record.items() if k not in STARTUP_KEYS}  # re-sent with checkpoints
+                    progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
+                    if metrics_file is not None:
+                        metrics_file.append(json.dumps(record))
+                    ray.train.report(record)
+                if checkpointer is not None:
+                    checkpointer.maybe_save(step, state, metrics=lambda: dict(last), data_state=dict(position))
+                if step >= total_steps:
+                    break
+    finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)
+        if metrics_file is not None:
+            metrics_file.close()
 
     progress.close()
-    if metrics_file is not None:
-        metrics_file.close()
     if checkpointer is not None:
         if args.save_steps and step % args.save_steps:
             checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
@@ -226,7 +228,7 @@ def epoch_batches(open_epoch: Callable[[int, int], Iterator], epoch: int, skip: 
         epoch, skip = epoch + 1, 0
 
 
-def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) -> Callable[[], Iterator]:
+def _compile_ahead(step_fn, mesh, abstract_state, batches) -> Callable[[], Iterator]:
     """Compile the train step in a thread, for the first batch's shapes, while the caller builds the state.
 
     Compiling (seconds, outside the GIL) then overlaps with initialising the state, and jit's caches make the
@@ -247,7 +249,7 @@ def _compile_ahead(step_fn, mesh, abstract_state: Callable[[], Any], batches) ->
             return
         try:
             with jax.set_mesh(mesh):
-                step_fn.lower(abstract_state(), result["first"]).compile()
+                step_fn.lower(abstract_state, result["first"]).compile()
         except Exception as exc:
             logger.debug("Compiling the train step ahead failed (%s); the first step compiles it.", exc)
 
