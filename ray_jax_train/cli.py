@@ -126,8 +126,11 @@ def _free_port() -> int:
 
 
 def _resume_hint(args, name: str) -> str:
+    """The command that resumes this run, quoted so it pastes back into a shell (`{dp: 2}`, names with spaces)."""
+    import shlex
+
     sets = [s for s in args.overrides if not s.startswith("run.name=")] + [f"run.name={name}"]
-    return "ray-jax-train fit " + args.config + "".join(f" --set {s}" for s in sets)
+    return "ray-jax-train fit " + shlex.quote(args.config) + "".join(f" --set {shlex.quote(s)}" for s in sets)
 
 
 def cmd_fit(args) -> int:
@@ -139,11 +142,15 @@ def cmd_fit(args) -> int:
     started = time.time()
     try:
         trainer, info = build_trainer(config, quiet=not args.verbose)
-    except (ValueError, FileNotFoundError) as exc:  # data or sizes the driver can see are wrong: a config problem
+    except (ValueError, OSError) as exc:  # data, sizes or storage the driver can see are wrong: a config problem
         if args.verbose:
             import traceback
 
             traceback.print_exc()
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+            # e.g. a storage_path it may not write, or a bucket without credentials: was a traceback, exit 1
+            raise ConfigError(f"{exc} (check run.storage_path and the data and tokenizer paths: the driver could "
+                              "not read or write them)") from None
         raise ConfigError(str(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
