@@ -330,6 +330,15 @@ class LlamaConfig(_Base):
         fields.update(overrides)
         return cls(**fields)
 
+    def hf_export_problem(self) -> Optional[str]:
+        """Why `to_hf_dict` would refuse this config, or None. Runs ask before training: the export comes after
+        the last step, so a refused config must fail first, not once the training is done."""
+        try:
+            self.to_hf_dict()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json contents that transformers loads as the matching ``*ForCausalLM``."""
         mt = self.model_type

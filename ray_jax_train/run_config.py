@@ -228,12 +228,10 @@ class ExperimentConfig(_Section):
         if self.data.source == [] or self.data.eval_source == []:
             raise ConfigError("data.source / data.eval_source: an empty list; give files, or 'stdlib' for the "
                               "built-in corpus")
-        if args.save_final_model:
-            try:  # the export runs after the last step: a config it refuses must fail now, not after training
-                model.to_hf_dict()
-            except ValueError as exc:
-                raise ConfigError(f"model: {exc}. The run ends by exporting a Hugging Face model, which this config "
-                                  "cannot be; fix the model section") from None
+        problem = model.hf_export_problem() if args.save_final_model else None
+        if problem:
+            raise ConfigError(f"model: {problem}. The run ends by exporting a Hugging Face model, which this config "
+                              "cannot be; fix the model section")
         if self.tune is not None:
             self._check_tune_metric()
         if not self.scaling.worker_resources():

@@ -238,12 +238,10 @@ class RayDistributedTrainer:
 
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
         config = self._train_config(scaling_index, args, model)
-        if args.save_final_model:
-            try:  # the export runs after the last step: a config it refuses must fail now, not after training
-                config.to_hf_dict()
-            except ValueError as exc:
-                raise ValueError(f"{exc}. The final model could not be exported as a Hugging Face directory; fix "
-                                 "the config or set TrainingArguments(save_final_model=False).") from None
+        problem = config.hf_export_problem() if args.save_final_model else None
+        if problem:
+            raise ValueError(f"{problem}. The final model could not be exported as a Hugging Face directory; fix "
+                             "the config or set TrainingArguments(save_final_model=False).")
         if args.mesh is None:
             args = args.model_copy()
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
