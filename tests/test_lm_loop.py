@@ -369,3 +369,53 @@ def test_mesh_axes_the_loop_cannot_use_are_refused():
     args = TrainingArguments(total_steps=1, batch_size=8, max_sequence_length=6, mesh={"fsdp": -1, "sp": 4})
     with pytest.raises(ValueError, match="max_sequence_length=6 does not split over mesh axis 'sp'=4"):
         args.check_devices(8)  # the activation constraint would silently drop sp
+
+
+def test_the_loop_takes_its_mesh_from_jax_config_and_refuses_what_it_cannot_honour(ray_cluster, tmp_path):
+    """A hand-built JaxTrainer around the built-in loop: JaxConfig's mesh and dcn_mesh reach it (dp across the two
+    processes, fsdp within each, where a plain mesh of these axes would put fsdp across them), the state is split
+    over fsdp, and settings the loop cannot honour fail naming the fix instead of training something else."""
+    import ray.data
+    from ray.train import TrainingFailedError
+
+    from ray_jax_train.backend import _state as backend_state
+    from ray_jax_train.lm.loop import _loop_mesh
+
+    record = tmp_path / "record"
+    rows = packed_rows(40)
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=2, batch_size=8, max_sequence_length=SEQ, log_steps=1, save_final_model=False,
+                             progress_bar=False, resume_if_possible=False)
+    loop_config = {"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 2,
+                   "record_dir": str(record)}
+
+    def fit(jax_config, name):
+        return rjt.JaxTrainer(train_loop_per_worker, train_loop_config=loop_config,
+                              scaling_config=ScalingConfig(num_workers=2), jax_config=jax_config,
+                              run_config=RunConfig(name=name, storage_path=str(tmp_path / "storage")),
+                              datasets={"train": dataset}).fit()
+
+    result = fit(rjt.JaxConfig(num_cpu_devices=2, mesh={"fsdp": 2, "dp": 2}, dcn_mesh={"dp": 2}), "hybrid")
+    assert result.error is None, result.error
+    mesh = json.loads((record / "mesh.json").read_text())
+    assert mesh["shape"] == {"fsdp": 2, "dp": 2}
+    assert mesh["processes"] == [[0, 1], [0, 1]]  # rows are fsdp, columns dp: each process is one dp column
+    replicated = 3 * sum(x.nbytes for x in np.load(record / "initial_params.npz").values())
+    first_step = json.loads(next(record.glob("first_step_*.json")).read_text())
+    assert 0.49 < first_step["state_mb_per_device"] * 2**20 / replicated < 0.55, first_step
+
+    with pytest.raises(TrainingFailedError, match=r"distributed=False\) makes each of the 2 workers a JAX job"):
+        fit(rjt.JaxConfig(distributed=False), "separate")
+
+    # Two meshes that disagree (checked in the worker: the driver knows only TrainingArguments.mesh).
+    saved = backend_state.config
+    try:
+        backend_state.config = rjt.JaxConfig(mesh={"dp": 1, "fsdp": -1})
+        with pytest.raises(ValueError, match=r"TrainingArguments\(mesh=\{'dp': -1\}\) and JaxConfig\(mesh="):
+            _loop_mesh(args.model_copy(update={"mesh": {"dp": -1}}))
+        assert dict(_loop_mesh(args).shape) == {"dp": 1, "fsdp": 4}
+        backend_state.config = rjt.JaxConfig(mesh={"dp": 2, "model": 2})
+        with pytest.raises(ValueError, match="mesh axis 'model'=2 is not one the built-in Llama loop splits over"):
+            _loop_mesh(args)
+    finally:
+        backend_state.config = saved

@@ -61,7 +61,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
     from ray_jax_train.lm.step import (jit_train_step, keep_hyperparameters, make_eval_step, make_optimizer,
                                        new_state)
-    from ray_jax_train.mesh import make_mesh
     from ray_jax_train.models import flops_per_token
     from ray_jax_train.sharding import check_llama_parallelism
 
@@ -75,7 +74,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     columns = list(config.get("columns") or DEFAULT_COLUMNS)
     rank0 = jax.process_index() == 0
 
-    mesh = make_mesh(args.mesh or {"dp": -1})
+    mesh = _loop_mesh(args)
     check_llama_parallelism(model_config, mesh, batch_size=args.micro_batch_size)
 
     def open_epoch(epoch: int, skip: int):
@@ -114,6 +113,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     step = int(jax.device_get(state["step"]))  # one sync, before the loop
 
     recorder = _Recorder(config.get("record_dir"), rank0)
+    recorder.json("mesh", {"shape": dict(mesh.shape),
+                           "processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()})
     recorder.params("initial_params" if step == 0 else f"resumed_params_{step}", state["params"])
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
@@ -356,6 +357,35 @@ class RunOutputs:
             save_pretrained(model, local)
             if tokenizer_ref is not None:
                 ray.get(tokenizer_ref).save_pretrained(local)
+
+
+def _loop_mesh(args):
+    """The loop's mesh: `TrainingArguments.mesh`, else the worker's `JaxConfig(mesh=...)`, else all devices on dp;
+    with `JaxConfig(dcn_mesh=...)`, a hybrid mesh whose dcn axes cross hosts or slices.
+
+    A JaxConfig mesh is checked as `TrainingArguments.mesh` would be (the axes this loop splits over); one that
+    contradicts `TrainingArguments.mesh` is refused rather than silently losing to it.
+    """
+    import jax
+    import ray.train
+
+    from ray_jax_train.backend import worker_config
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.mesh import make_mesh, resolve_axes
+
+    config = worker_config()
+    if config is not None and not config.distributed and ray.train.get_context().get_world_size() > 1:
+        raise ValueError(
+            f"JaxConfig(distributed=False) makes each of the {ray.train.get_context().get_world_size()} workers a JAX "
+            "job of its own, so the built-in loop would train that many separate models. Leave distributed at its "
+            "default (True), or train on one worker.")
+    own = dict(config.mesh) if config is not None and config.mesh else None
+    if own is not None:
+        if args.mesh and resolve_axes(args.mesh, jax.device_count()) != resolve_axes(own, jax.device_count()):
+            raise ValueError(f"TrainingArguments(mesh={args.mesh}) and JaxConfig(mesh={own}) disagree; set the mesh in "
+                             "one place (TrainingArguments.mesh is what the driver checks the batch against).")
+        own = TrainingArguments.model_validate({**args.model_dump(), "mesh": own}).mesh
+    return make_mesh(args.mesh or own or {"dp": -1}, dcn=config.dcn_mesh if config is not None else None)
 
 
 class _Recorder:
