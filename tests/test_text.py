@@ -351,6 +351,24 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
         load_text_dataset(tmp_path)  # a directory mixing three formats
 
 
+def test_files_are_read_on_the_driver_node_of_a_multi_node_cluster(ray_cluster, tmp_path, monkeypatch):
+    """On several nodes, files the driver found are read on its node (Ray's local:// scheme): another node may lack
+    them. This machine holds one node, so the cluster's size is the one thing faked here."""
+    from ray_jax_train.text import sources
+
+    (tmp_path / "d.txt").write_text("alpha\nbeta\n")
+    (tmp_path / "d.jsonl").write_text('{"text": "gamma"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sources, "_multi_node", lambda: True)  # relative paths become absolute ones on this node
+    assert sorted(r["text"] for r in load_text_dataset("d.txt").take_all()) == ["alpha", "beta"]
+    read = load_text_dataset(["d.jsonl"])
+    assert read.take_all() == [{"text": "gamma"}]
+    assert read._logical_plan.dag.datasource.supports_distributed_reads is False  # Ray pins local:// reads
+    monkeypatch.undo()
+    assert load_text_dataset([tmp_path / "d.jsonl"])._logical_plan.dag.datasource.supports_distributed_reads is True
+    assert sources._multi_node() is False  # the test session's cluster: one node, distributed reads
+
+
 def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused(ray_cluster, tokenizer):
     from ray_jax_train.lm import TrainingArguments
     from ray_jax_train.lm.data import check_tokenizer_fits, prepare_lm_dataset

@@ -766,7 +766,7 @@ class JaxCheckpointer:
             if mismatch:
                 fix = ("Give a checkpoint of this model, or the model settings it was saved with." if explicit else
                        "Resume with the model and optimizer settings the checkpoint was saved with, or start a fresh "
-                       "run under another RunConfig(name=...).")
+                       "run under another name (RunConfig(name=...); on the command line, --set run.name=...).")
                 raise CheckpointMismatchError(f"{loc.uri} {mismatch}. {fix}")
             if not bad and expected is not None:
                 mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s in verdicts])

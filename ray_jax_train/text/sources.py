@@ -44,6 +44,10 @@ def _read_paths(paths: Sequence[str], format: str | None):
         files = [f for f in files if _format_of(f) == format]
     if all(os.path.getsize(f) == 0 for f in files):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
+    if _multi_node():
+        # The files were found here; another node may not have them (or have other files at the same path), so
+        # Ray Data reads them on this node. Shared filesystems lose only read parallelism.
+        files = ["local://" + os.path.abspath(f) for f in files]
     if format == "json":
         # JSON lines stream line by line; a plain .json may also be one top-level array.
         return ray.data.read_json(files, lines=all(".jsonl" in os.path.basename(f).lower() for f in files))
@@ -52,6 +56,12 @@ def _read_paths(paths: Sequence[str], format: str | None):
     if format == "text":
         return ray.data.read_text(files)  # one row per line, in column "text"
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
+
+
+def _multi_node() -> bool:
+    import ray
+
+    return ray.is_initialized() and sum(1 for node in ray.nodes() if node.get("Alive")) > 1
 
 
 def _from_hf_dataset(source):
@@ -84,6 +94,7 @@ def load_text_dataset(source: Any, *, format: str | None = None):
     Arrow table) or ``IterableDataset`` (streamed), a list of row dicts, or local
     file/directory path(s) of ``.jsonl`` (JSON lines), ``.json`` (lines or one array),
     ``.parquet`` or ``.txt`` (one row per line, column ``text``). ``format`` overrides the suffix-based guess.
+    Paths are checked here, on the driver; on a cluster of several nodes they are also read here.
     """
     import ray.data
 
