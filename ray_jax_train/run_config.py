@@ -5,7 +5,7 @@ say which key is wrong and what is allowed. Every section forbids unknown keys; 
 that name the dotted key path and, for typos, the closest valid key.
 
     model:    {type: llama, hidden_size: 32, num_hidden_layers: 2, ...}   # any LlamaConfig field; init_from
-    data:     {source: stdlib, max_docs: 200}                              # or local .txt/.jsonl/.parquet paths
+    data:     {source: stdlib, max_docs: 200}                              # or .txt/.jsonl/.parquet paths or URIs
     tokenizer: {path: null, vocab_size: 512}                               # null: train one at run time
     training: {total_steps: 20, batch_size: 8, learning_rate: 3e-3, ...}  # TrainingArguments fields
     scaling:  {num_workers: 2, cpu_devices_per_worker: 1, use_gpu: false, mesh: {dp: -1}}
@@ -239,7 +239,7 @@ class ExperimentConfig(_Section):
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")
         for which in ("source", "eval_source"):
             for path in self.data.paths(which):
-                if not os.path.exists(path):
+                if not is_uri(path) and not os.path.exists(path):  # a URI is looked up when the data is read
                     raise ConfigError(f"data.{which}: file {path!r} does not exist (relative paths are read from "
                                      f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
         if self.tokenizer.path is not None and not is_uri(self.tokenizer.path) and not os.path.isdir(self.tokenizer.path):

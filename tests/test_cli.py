@@ -37,6 +37,8 @@ def test_example_configs_are_valid(name, capsys):
 
 
 def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
+    # A data URI is not looked for on the driver's disk (it is listed when the data is read).
+    assert run(["config", "validate", TINY, "--set", "data.source=gs://bucket/corpus"], capsys)[0] == 0
     code, out, _ = run(["config", "show", TINY, "--set", "training.learning_rate=1e-4", "--set",
                         "scaling.mesh={dp: 1}", "--set", "run.name=other"], capsys)
     assert code == 0

@@ -349,6 +349,16 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
     with pytest.raises(ValueError, match="cannot tell the file format"):
         load_text_dataset(tmp_path)  # a directory mixing three formats
+    # A URI (file:// here; gs:// and s3:// take the same path): a directory is listed through its filesystem,
+    # metadata files skipped, and Ray Data reads the URIs.
+    (tmp_path / "uri").mkdir()
+    (tmp_path / "uri" / "a.jsonl").write_text('{"text": "alpha"}\n')
+    (tmp_path / "uri" / "b.jsonl").write_text('{"text": "beta"}\n')
+    (tmp_path / "uri" / "_SUCCESS").write_text("")
+    uri = f"file://{tmp_path}/uri"
+    assert sorted(r["text"] for r in load_text_dataset(uri).take_all()) == ["alpha", "beta"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text_dataset(uri + "/missing.jsonl")
 
 
 def test_files_are_read_on_the_driver_node_of_a_multi_node_cluster(ray_cluster, tmp_path, monkeypatch):

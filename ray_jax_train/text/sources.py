@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from .. import storage
 from .errors import EmptyDatasetError, MissingColumnError
 
 # File suffix -> reader; compressed variants (.jsonl.gz, ...) map like their inner suffix.
@@ -18,39 +19,52 @@ def _format_of(path: str) -> str | None:
     return _FORMATS.get(os.path.splitext(name)[1])
 
 
-def _files_under(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                      if not f.startswith((".", "_")))
-    return [path]
+def _files_under(path: str) -> list[tuple[str, int]]:
+    """(file, size) for a file, or for every file below a directory (names starting with '.' or '_' skipped, as
+    Spark and Ray write such metadata), on a local path or a URI (gs://, s3://, file://...)."""
+    import pyarrow.fs as pafs
+
+    fs, fs_path = storage.filesystem(path)
+    info = fs.get_file_info(fs_path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"text source {path!r} does not exist (in-memory texts: pass "
+                                f"a list of dicts such as [{{'text': ...}}])")
+    if info.type != pafs.FileType.Directory:
+        return [(path, info.size or 0)]
+    found = fs.get_file_info(pafs.FileSelector(fs_path, recursive=True))
+    files = sorted((f.path, f.size or 0) for f in found
+                   if f.type == pafs.FileType.File and not f.base_name.startswith((".", "_")))
+    if storage.is_uri(path):  # the filesystem drops the scheme: gs://bucket/dir -> bucket/dir
+        scheme = path.split("://", 1)[0]
+        files = [(f"{scheme}://{f}", size) for f, size in files]
+    return files
 
 
 def _read_paths(paths: Sequence[str], format: str | None):
+    import pyarrow.fs as pafs
     import ray.data
 
-    for p in paths:
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"text source {p!r} does not exist (in-memory texts: pass "
-                                    f"a list of dicts such as [{{'text': ...}}])")
-    files = [f for p in paths for f in _files_under(p)]
-    if not files:
+    found = [f for p in paths for f in _files_under(p)]
+    if not found:
         raise EmptyDatasetError(f"no files found under {list(paths)}")
+    files = [f for f, _ in found]
     if format is None:
-        found = {_format_of(f) for f in files} - {None}
-        if len(found) != 1:
-            raise ValueError(f"cannot tell the file format of {list(paths)} (found {sorted(found) or 'no known suffix'}); "
+        formats = {_format_of(f) for f in files} - {None}
+        if len(formats) != 1:
+            raise ValueError(f"cannot tell the file format of {list(paths)} (found {sorted(formats) or 'no known suffix'}); "
                              f"pass format='json', 'parquet' or 'text'")
-        format = found.pop()
-        files = [f for f in files if _format_of(f) == format]
-    if all(os.path.getsize(f) == 0 for f in files):
+        format = formats.pop()
+        found = [(f, size) for f, size in found if _format_of(f) == format]
+        files = [f for f, _ in found]
+    if all(size == 0 for _, size in found):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
-    if _multi_node():
+    if _multi_node() and all(isinstance(storage.filesystem(f)[0], pafs.LocalFileSystem) for f in files):
         # The files were found here; another node may not have them (or have other files at the same path), so
         # Ray Data reads them on this node. Shared filesystems lose only read parallelism.
-        files = ["local://" + os.path.abspath(f) for f in files]
+        files = ["local://" + storage.filesystem(f)[1] for f in files]
     if format == "json":
         # JSON lines stream line by line; a plain .json may also be one top-level array.
-        return ray.data.read_json(files, lines=all(".jsonl" in os.path.basename(f).lower() for f in files))
+        return ray.data.read_json(files, lines=all(".jsonl" in f.rsplit("/", 1)[-1].lower() for f in files))
     if format == "parquet":
         return ray.data.read_parquet(files)
     if format == "text":
@@ -94,7 +108,8 @@ def load_text_dataset(source: Any, *, format: str | None = None):
     Arrow table) or ``IterableDataset`` (streamed), a list of row dicts, or local
     file/directory path(s) of ``.jsonl`` (JSON lines), ``.json`` (lines or one array),
     ``.parquet`` or ``.txt`` (one row per line, column ``text``). ``format`` overrides the suffix-based guess.
-    Paths are checked here, on the driver; on a cluster of several nodes they are also read here.
+    Paths may be URIs (``gs://``, ``s3://``, ``file://``). Local paths are checked here, on the driver; on a
+    cluster of several nodes they are also read here.
     """
     import ray.data
 
@@ -124,7 +139,7 @@ def load_text_dataset(source: Any, *, format: str | None = None):
         if all(isinstance(x, (str, os.PathLike)) for x in source):
             return _read_paths([os.fspath(x) for x in source], format)
     raise TypeError(f"unsupported text source of type {type(source).__name__}; pass a ray.data.Dataset, "
-                    f"a datasets.Dataset, a list of row dicts, or local .jsonl/.parquet/.txt path(s)")
+                    f"a datasets.Dataset, a list of row dicts, or .jsonl/.parquet/.txt path(s) or URI(s)")
 
 
 def extract_column_names(dataset: Any) -> list[str] | None:
