@@ -355,3 +355,28 @@ def test_padding_queries_see_only_themselves_and_untrained_targets_cannot_poison
              "positions": jnp.asarray([[0, 1, 2, 0]])}
     total, tokens = loss_sums(graphdef, params, batch)  # an id past the vocabulary where nothing is trained
     assert np.isfinite(float(total)) and float(tokens) == 2.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_gradients_equal_plain_matmul_gradients(dtype):
+    """`models.linear.matmul` only reorients the backward's dots: values and gradients equal `jnp.dot`'s, for the
+    3-D activations the model feeds it and for a transposed weight view (the tied head)."""
+    from ray_jax_train.models.linear import Linear, matmul
+
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (3, 5, 8), dtype)
+    w = jax.random.normal(kw, (8, 6), dtype)
+    g = jax.random.normal(kg, (3, 5, 6), dtype)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for f in (lambda x, w: jnp.sum(matmul(x, w) * g), lambda x, w: jnp.sum(matmul(x, w.T.T) * g)):
+        ours = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+        plain = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w) * g), argnums=(0, 1))(x, w)
+        for a, b in zip(ours, plain):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
+    layer = Linear(8, 6, use_bias=True, dtype=dtype, rngs=nnx.Rngs(0))
+    reference = nnx.Linear(8, 6, use_bias=True, dtype=dtype, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(np.float32(layer(x)), np.float32(reference(x)))
+    grads = [nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) * g))(m) for m in (layer, reference)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)

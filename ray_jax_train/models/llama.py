@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ray_jax_train.config import LlamaConfig
+from ray_jax_train.models.linear import Linear, matmul
 from ray_jax_train.sharding import constrain
 
 __all__ = [
@@ -129,8 +130,8 @@ def make_attention_mask(batch: int, seq: int, attention_mask: Optional[jax.Array
     return allowed
 
 
-def _dense(cfg: LlamaConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
+def _dense(cfg: LlamaConfig, din: int, dout: int, bias: bool, rngs: nnx.Rngs) -> Linear:
+    return Linear(
         din, dout, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
         kernel_init=nnx.initializers.normal(cfg.initializer_range), bias_init=nnx.initializers.zeros_init(),
         rngs=rngs,
@@ -224,7 +225,7 @@ def init_parts(config: LlamaConfig) -> List[Tuple[Tuple[Any, ...], Callable[[nnx
     def norm(rngs: nnx.Rngs) -> RMSNorm:
         return RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def lm_head(rngs: nnx.Rngs) -> nnx.Linear:
+    def lm_head(rngs: nnx.Rngs) -> Linear:
         return _dense(config, config.hidden_size, config.vocab_size, False, rngs)
 
     parts = [(("embed_tokens",), embed)]
@@ -318,7 +319,7 @@ def _gathered_table(embed: nnx.Embed) -> jax.Array:
 def _embed_attend(embed: nnx.Embed, x: jax.Array) -> jax.Array:
     """``embed.attend(x)`` (tied lm_head) on the FSDP-gathered table, so logits stay batch-sharded."""
     x, table = embed.promote_dtype((x, _gathered_table(embed)), dtype=embed.dtype)
-    return jnp.dot(x, table.T)
+    return matmul(x, table.T)
 
 
 def create_model(config: LlamaConfig, *, lazy: bool = False, rngs: Optional[nnx.Rngs] = None) -> LlamaForCausalLM:
