@@ -1,4 +1,5 @@
 """RayDistributedTrainer: the four starting points, 2-worker training, outputs, and driver-side errors."""
+import json
 import logging
 import os
 
@@ -74,7 +75,8 @@ def scratch_run(ray_cluster, tokenizer_dir, tmp_path_factory):
     trainer = make_trainer(tokenizer_dir, record_dir=tmp / "record")
     args = TrainingArguments(total_steps=40, batch_size=8, max_sequence_length=SEQ, learning_rate=1e-2, warmup_steps=4,
                              log_steps=5, eval_steps=20, max_eval_steps=2, save_steps=40, num_workers=2,
-                             output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False)
+                             output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False,
+                             mesh={"dp": -1})  # the CLI's default; fsdp across workers: tests/test_lm_loop.py
     result = trainer.train(1, args, sentences(300), dataset_eval=sentences(20, seed=1))
     return trainer, result, tmp / "record"
 
@@ -92,6 +94,8 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 8
     assert losses[-1] < 0.6 * losses[0], losses
+    # dp over two CPU processes: the gradients were summed in one flat gloo all-reduce (lm.step.one_all_reduce_axes)
+    assert json.loads((record / "mesh.json").read_text())["one_all_reduce_over"] == ["dp"]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert all(r["grad_norm"] > 0 and r["learning_rate"] > 0 and r["perplexity"] > 1 for r in records if "loss" in r)

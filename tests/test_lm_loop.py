@@ -419,3 +419,37 @@ def test_the_loop_takes_its_mesh_from_jax_config_and_refuses_what_it_cannot_hono
             _loop_mesh(args)
     finally:
         backend_state.config = saved
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_gradients_summed_in_one_flat_all_reduce_equal_xla_s_reduction(accumulation):
+    """The CPU data-parallel step that sums its gradients itself, in one buffer, trains exactly like the step XLA
+    partitions (4 devices here; across processes that one buffer is one gloo call instead of one per array)."""
+    from ray_jax_train.lm.step import one_all_reduce_axes
+
+    rows = {k: v[:8] for k, v in packed_rows().items()}
+    mesh = rjt.make_mesh({"dp": 4})
+    batch = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec("dp"))) for k, v in rows.items()}
+    args = TrainingArguments(total_steps=3, batch_size=8, gradient_accumulation_steps=accumulation,
+                             max_sequence_length=SEQ, learning_rate=1e-2, adam_epsilon=1e-4)
+    optimizer, _ = make_optimizer(args, 3)
+    graphdef, params = split_model(create_model(CONFIG))
+    results = {}
+    for axes in ((), ("dp",)):
+        state = shard_state(new_state(params, optimizer), mesh)
+        step = jax.jit(make_train_step(graphdef, optimizer, accumulation, one_all_reduce_over=axes))
+        with jax.set_mesh(mesh):
+            if axes:
+                hlo = step.lower(state, batch).compile().as_text()
+                reduces = [line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
+                assert len(reduces) == 1 and reduces[0].split("=")[1].strip().startswith("f32["), reduces
+            losses = []
+            for _ in range(3):
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+        results[axes] = (state["params"], losses)
+    np.testing.assert_allclose(results[()][1], results[("dp",)][1], rtol=1e-6)
+    assert _max_diff(results[()][0], results[("dp",)][0]) < 1e-6
+    assert _max_diff(results[()][0], params) > 1e-3  # it trained
+    # One process: XLA's in-process reduction is a copy, so the step is left to XLA.
+    assert one_all_reduce_axes(mesh, jax.tree.map(lambda x: x.sharding, state)) == ()

@@ -60,7 +60,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm.arguments import TrainingArguments
     from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
     from ray_jax_train.lm.step import (jit_train_step, keep_hyperparameters, make_eval_step, make_optimizer,
-                                       new_state)
+                                       new_state, one_all_reduce_axes)
     from ray_jax_train.models import flops_per_token
     from ray_jax_train.sharding import check_llama_parallelism
 
@@ -114,7 +114,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     recorder = _Recorder(config.get("record_dir"), rank0)
     recorder.json("mesh", {"shape": dict(mesh.shape),
-                           "processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist()})
+                           "processes": np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+                           "one_all_reduce_over": one_all_reduce_axes(mesh, jax.tree.map(lambda a: a.sharding,
+                                                                                         abstract))})
     recorder.params("initial_params" if step == 0 else f"resumed_params_{step}", state["params"])
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
