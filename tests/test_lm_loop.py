@@ -414,6 +414,8 @@ def test_the_loop_takes_its_mesh_from_jax_config_and_refuses_what_it_cannot_hono
         with pytest.raises(ValueError, match=r"TrainingArguments\(mesh=\{'dp': -1\}\) and JaxConfig\(mesh="):
             _loop_mesh(args.model_copy(update={"mesh": {"dp": -1}}))
         assert dict(_loop_mesh(args).shape) == {"dp": 1, "fsdp": 4}
+        with pytest.raises(ValueError, match="disagree"):  # the same sizes in another order split other devices
+            _loop_mesh(args.model_copy(update={"mesh": {"fsdp": -1, "dp": 1}}))
         backend_state.config = rjt.JaxConfig(mesh={"dp": 2, "model": 2})
         with pytest.raises(ValueError, match="mesh axis 'model'=2 is not one the built-in Llama loop splits over"):
             _loop_mesh(args)

@@ -380,3 +380,5 @@ def test_linear_gradients_equal_plain_matmul_gradients(dtype):
     grads = [nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) * g))(m) for m in (layer, reference)]
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match=r"does not apply \['precision'\]"):
+        Linear(8, 6, precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(0))

@@ -2,6 +2,7 @@
 import copy
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -361,22 +362,30 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
         load_text_dataset(uri + "/missing.jsonl")
 
 
-def test_files_are_read_on_the_driver_node_of_a_multi_node_cluster(ray_cluster, tmp_path, monkeypatch):
-    """On several nodes, files the driver found are read on its node (Ray's local:// scheme): another node may lack
-    them. This machine holds one node, so the cluster's size is the one thing faked here."""
+def test_files_are_read_on_the_driver_node_when_other_nodes_lack_them(ray_cluster, tmp_path, monkeypatch):
+    """Files the driver found but another node lacks are read on the driver's node (Ray's local:// scheme); files
+    every node sees (a shared filesystem) keep distributed reads. This machine holds one node, so the other node's
+    answer is the one thing faked here; the per-node check itself runs for real and finds no other node."""
     from ray_jax_train.text import sources
 
     (tmp_path / "d.txt").write_text("alpha\nbeta\n")
     (tmp_path / "d.jsonl").write_text('{"text": "gamma"}\n')
+    assert sources._nodes_missing([(str(tmp_path / "d.txt"), 11)]) is False
+    assert load_text_dataset([tmp_path / "d.jsonl"])._logical_plan.dag.datasource.supports_distributed_reads is True
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sources, "_multi_node", lambda: True)  # relative paths become absolute ones on this node
+    monkeypatch.setattr(sources, "_nodes_missing", lambda found: True)  # relative paths become absolute here
     assert sorted(r["text"] for r in load_text_dataset("d.txt").take_all()) == ["alpha", "beta"]
     read = load_text_dataset(["d.jsonl"])
     assert read.take_all() == [{"text": "gamma"}]
     assert read._logical_plan.dag.datasource.supports_distributed_reads is False  # Ray pins local:// reads
-    monkeypatch.undo()
-    assert load_text_dataset([tmp_path / "d.jsonl"])._logical_plan.dag.datasource.supports_distributed_reads is True
-    assert sources._multi_node() is False  # the test session's cluster: one node, distributed reads
+
+
+def test_directory_links_are_not_followed_twice(ray_cluster, tmp_path):
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "a.jsonl").write_text('{"text": "once"}\n')
+    os.symlink(tmp_path / "v2", tmp_path / "latest")  # beside v2/, as data versioning often leaves it
+    os.symlink(tmp_path, tmp_path / "v2" / "loop")
+    assert [r["text"] for r in load_text_dataset(tmp_path).take_all()] == ["once"]
 
 
 def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused(ray_cluster, tokenizer):

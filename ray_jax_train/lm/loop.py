@@ -383,7 +383,9 @@ def _loop_mesh(args):
             "default (True), or train on one worker.")
     own = dict(config.mesh) if config is not None and config.mesh else None
     if own is not None:
-        if args.mesh and resolve_axes(args.mesh, jax.device_count()) != resolve_axes(own, jax.device_count()):
+        # Order matters too: the last axes stay within a process.
+        if args.mesh and (list(resolve_axes(args.mesh, jax.device_count()).items())
+                          != list(resolve_axes(own, jax.device_count()).items())):
             raise ValueError(f"TrainingArguments(mesh={args.mesh}) and JaxConfig(mesh={own}) disagree; set the mesh in "
                              "one place (TrainingArguments.mesh is what the driver checks the batch against).")
         own = TrainingArguments.model_validate({**args.model_dump(), "mesh": own}).mesh

@@ -164,8 +164,10 @@ def one_all_reduce_axes(mesh, state_shardings) -> Tuple[str, ...]:
         return ()
     if any(not s.is_fully_replicated for s in jax.tree.leaves(state_shardings)):
         return ()
-    split = tuple(name for name, size in mesh.shape.items() if size > 1)
-    return split if split and all(name in BATCH_AXES for name in split) else ()
+    if any(size > 1 and name not in BATCH_AXES for name, size in mesh.shape.items()):
+        return ()
+    # In BATCH_AXES order, as iter_jax_batches splits the batch, so each shard keeps its own rows.
+    return tuple(name for name in BATCH_AXES if mesh.shape.get(name, 1) > 1)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, accumulation_steps: int = 1, *,

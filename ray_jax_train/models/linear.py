@@ -44,6 +44,14 @@ class Linear(nnx.Linear):
     `out_sharding` (a mesh's sharding comes from the models' activation constraints).
     """
 
+    def __init__(self, *args, **kwargs):
+        dropped = [key for key in ("precision", "preferred_element_type") if kwargs.get(key) is not None]
+        dropped += ["dot_general"] if kwargs.get("dot_general", jax.lax.dot_general) is not jax.lax.dot_general else []
+        if dropped:
+            raise ValueError(f"ray_jax_train.models.linear.Linear does not apply {dropped}; use flax.nnx.Linear for "
+                             "those (its backward is JAX's own).")
+        super().__init__(*args, **kwargs)
+
     def __call__(self, inputs: jax.Array) -> jax.Array:
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)

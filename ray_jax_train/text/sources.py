@@ -12,36 +12,49 @@ _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "t
 
 
 def _format_of(path: str) -> str | None:
-    name = path.lower()
+    name = path.split("?", 1)[0].lower()  # a URI's query (s3://b/x.jsonl?endpoint_override=...) is no suffix
     for suffix in (".gz", ".zst", ".br", ".lz4"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return _FORMATS.get(os.path.splitext(name)[1])
 
 
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))  # metadata that Spark and Ray write beside the data
+
+
 def _files_under(path: str) -> list[tuple[str, int]]:
-    """(file, size) for a file, or for every file below a directory (names starting with '.' or '_' skipped, as
-    Spark and Ray write such metadata), on a local path or a URI (gs://, s3://, file://...)."""
+    """(file, size) for a file, or for every file below a directory (hidden and metadata files skipped), on a
+    local path or a URI (gs://, s3://, file://...)."""
     import pyarrow.fs as pafs
 
+    if not storage.is_uri(path):
+        path = os.path.expanduser(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"text source {path!r} does not exist (in-memory texts: pass "
+                                    f"a list of dicts such as [{{'text': ...}}])")
+        if not os.path.isdir(path):
+            return [(path, os.path.getsize(path))]
+        # os.walk, not a recursive listing: it does not follow directory links, so `latest -> v2` beside `v2/`
+        # does not read v2 twice.
+        return sorted((f, os.path.getsize(f)) for d, _, names in os.walk(path) for f in
+                      (os.path.join(d, n) for n in names if not _hidden(n)))
     fs, fs_path = storage.filesystem(path)
     info = fs.get_file_info(fs_path)
     if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"text source {path!r} does not exist (in-memory texts: pass "
-                                f"a list of dicts such as [{{'text': ...}}])")
+        raise FileNotFoundError(f"text source {path!r} does not exist")
     if info.type != pafs.FileType.Directory:
         return [(path, info.size or 0)]
     found = fs.get_file_info(pafs.FileSelector(fs_path, recursive=True))
-    files = sorted((f.path, f.size or 0) for f in found
-                   if f.type == pafs.FileType.File and not f.base_name.startswith((".", "_")))
-    if storage.is_uri(path):  # the filesystem drops the scheme: gs://bucket/dir -> bucket/dir
-        scheme = path.split("://", 1)[0]
-        files = [(f"{scheme}://{f}", size) for f, size in files]
-    return files
+    # Listed paths lack the scheme, host and query (gs://b/dir?x -> b/dir/...): splice them back into the URI.
+    base, _, query = path.partition("?")
+    base = base.rstrip("/")
+    root = fs_path.rstrip("/")
+    return sorted((base + f.path[len(root):] + (f"?{query}" if query else ""), f.size or 0) for f in found
+                  if f.type == pafs.FileType.File and f.path.startswith(root) and not _hidden(f.base_name))
 
 
 def _read_paths(paths: Sequence[str], format: str | None):
-    import pyarrow.fs as pafs
     import ray.data
 
     found = [f for p in paths for f in _files_under(p)]
@@ -58,13 +71,13 @@ def _read_paths(paths: Sequence[str], format: str | None):
         files = [f for f, _ in found]
     if all(size == 0 for _, size in found):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
-    if _multi_node() and all(isinstance(storage.filesystem(f)[0], pafs.LocalFileSystem) for f in files):
-        # The files were found here; another node may not have them (or have other files at the same path), so
-        # Ray Data reads them on this node. Shared filesystems lose only read parallelism.
-        files = ["local://" + storage.filesystem(f)[1] for f in files]
+    local = [f for f in files if not storage.is_uri(f)]
+    if local and len(local) == len(files) and _nodes_missing(found):
+        files = ["local://" + os.path.abspath(f) for f in files]
     if format == "json":
         # JSON lines stream line by line; a plain .json may also be one top-level array.
-        return ray.data.read_json(files, lines=all(".jsonl" in f.rsplit("/", 1)[-1].lower() for f in files))
+        return ray.data.read_json(files, lines=all(".jsonl" in f.split("?")[0].rsplit("/", 1)[-1].lower()
+                                                   for f in files))
     if format == "parquet":
         return ray.data.read_parquet(files)
     if format == "text":
@@ -72,10 +85,41 @@ def _read_paths(paths: Sequence[str], format: str | None):
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
 
 
-def _multi_node() -> bool:
-    import ray
+def _file_sizes(files: list[str]) -> list[int]:
+    return [os.path.getsize(f) if os.path.isfile(f) else -1 for f in files]
 
-    return ray.is_initialized() and sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+
+def _nodes_missing(found: list[tuple[str, int]]) -> bool:
+    """Whether some other node of the cluster lacks the local files found here (or holds other sizes there).
+
+    Then Ray Data must read them on this node (`local://`), or its read tasks elsewhere would fail or read other
+    data; when every node sees them (a shared filesystem), reads stay distributed. A tiny zero-CPU task per node
+    asks; a driver node without CPUs for the reads is refused here rather than left waiting.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_jax_train.trainer import init_ray
+
+    init_ray()  # the reads would start Ray anyway; the question needs the cluster they will run on
+    here = ray.get_runtime_context().get_node_id()
+    others = [node for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
+    if not others:
+        return False
+    files, sizes = [f for f, _ in found], [os.path.getsize(f) for f, _ in found]
+    check = ray.remote(num_cpus=0)(_file_sizes)
+    seen = ray.get([check.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+                    .remote([os.path.abspath(f) for f in files]) for node in others])
+    missing = [node["NodeManagerAddress"] for node, got in zip(others, seen) if got != sizes]
+    if not missing:
+        return False
+    this_node = next((node for node in ray.nodes() if node["NodeID"] == here), {})
+    if this_node.get("Resources", {}).get("CPU", 0) < 1:
+        raise ValueError(
+            f"The data files {files[:3]}{'...' if len(files) > 3 else ''} are on this node only (nodes "
+            f"{missing[:3]} lack them or hold other versions), and this node has no CPUs for Ray Data to read them. "
+            "Put the data on storage every node sees (a shared filesystem, or a gs:// / s3:// URI).")
+    return True
 
 
 def _from_hf_dataset(source):
