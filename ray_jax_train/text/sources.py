@@ -101,7 +101,10 @@ def _nodes_missing(found: list[tuple[str, int]]) -> bool:
 
     from ray_jax_train.trainer import init_ray
 
-    init_ray()  # the reads would start Ray anyway; the question needs the cluster they will run on
+    if not ray.is_initialized():
+        if not os.environ.get("RAY_ADDRESS"):
+            return False  # Ray will start here, on this one node
+        init_ray()  # joins the cluster the reads will run on (what `ray job submit` sets up)
     here = ray.get_runtime_context().get_node_id()
     others = [node for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
     if not others:
