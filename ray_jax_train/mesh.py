@@ -74,10 +74,22 @@ def make_mesh(axes: AxesLike, devices: Optional[Sequence] = None, *, dcn: Option
     sizes = resolve_axes(axes, len(devices))
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     if ordered[0].platform == "tpu" and jax.process_count() == 1:
-        # On a single TPU slice the physical torus matters more than process order.
-        return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=ordered)
+        return _torus_mesh(sizes, ordered)
     grid = np.array(ordered, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes))
+
+
+def _torus_mesh(sizes: Dict[str, int], devices):
+    """On a single TPU slice the physical torus matters more than process order: `jax.make_mesh` lays it out.
+
+    With Auto axes, like every other mesh here: `jax.make_mesh` defaults to Explicit ones, under which the models'
+    sharding constraints and the train step's shardings fail.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes),
+                         devices=devices)
 
 
 def batch_axes_of(mesh, batch_axes: Optional[Sequence[str]] = None) -> Tuple[str, ...]:

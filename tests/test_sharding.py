@@ -420,3 +420,17 @@ def test_mfu_benchmark_smoke(tmp_path):
     h100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
     assert bench.peak_flops(h100) == (989e12, "table: H100")
     assert bench.peak_flops(types.SimpleNamespace(device_kind="NVIDIA H100 PCIe"))[0] == 756e12
+
+
+def test_single_slice_tpu_meshes_have_auto_axes_like_every_other_mesh():
+    """`make_mesh` lays a single TPU slice out with `jax.make_mesh`, which defaults to Explicit axes; there the
+    model's constraints fail. No TPU here: the layout function runs on the 4 CPU devices, and the step that picks
+    it by platform is the one part not exercised."""
+    from jax.sharding import AxisType
+
+    from ray_jax_train.mesh import _torus_mesh
+
+    mesh = _torus_mesh({"fsdp": 2, "tp": 2}, jax.devices()[:4])
+    assert dict(mesh.shape) == {"fsdp": 2, "tp": 2}
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert make_mesh({"dp": 4}).axis_types == (AxisType.Auto,)
