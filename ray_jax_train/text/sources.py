@@ -71,8 +71,7 @@ def _read_paths(paths: Sequence[str], format: str | None):
         files = [f for f, _ in found]
     if all(size == 0 for _, size in found):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
-    local = [f for f in files if not storage.is_uri(f)]
-    if local and len(local) == len(files) and _nodes_missing(found):
+    if not any(storage.is_uri(f) for f in files) and _nodes_missing(found):
         files = ["local://" + os.path.abspath(f) for f in files]
     if format == "json":
         # JSON lines stream line by line; a plain .json may also be one top-level array.
@@ -109,7 +108,7 @@ def _nodes_missing(found: list[tuple[str, int]]) -> bool:
     others = [node for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
     if not others:
         return False
-    files, sizes = [f for f, _ in found], [os.path.getsize(f) for f, _ in found]
+    files, sizes = [f for f, _ in found], [size for _, size in found]
     check = ray.remote(num_cpus=0)(_file_sizes)
     seen = ray.get([check.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
                     .remote([os.path.abspath(f) for f in files]) for node in others])
