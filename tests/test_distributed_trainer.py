@@ -1,4 +1,5 @@
 """RayDistributedTrainer: the four starting points, 2-worker training, outputs, and driver-side errors."""
+import glob
 import json
 import logging
 import os
@@ -76,6 +77,7 @@ def scratch_run(ray_cluster, tokenizer_dir, tmp_path_factory):
     args = TrainingArguments(total_steps=40, batch_size=8, max_sequence_length=SEQ, learning_rate=1e-2, warmup_steps=4,
                              log_steps=5, eval_steps=20, max_eval_steps=2, save_steps=40, num_workers=2,
                              output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False,
+                             profile_start_step=3, profile_num_steps=2,
                              mesh={"dp": -1})  # the CLI's default; fsdp across workers: tests/test_lm_loop.py
     result = trainer.train(1, args, sentences(300), dataset_eval=sentences(20, seed=1))
     return trainer, result, tmp / "record"
@@ -104,6 +106,19 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     final = os.path.join(result.path, "final_model")
     assert os.path.isfile(os.path.join(final, "model.safetensors"))
     assert os.path.isfile(os.path.join(final, "tokenizer.json"))
+
+
+def test_profile_window_is_traced_on_every_worker(scratch_run):
+    _, result, _ = scratch_run
+    for rank in (0, 1):
+        traces = glob.glob(os.path.join(result.path, "profile", f"worker_{rank}", "plugins", "profile", "*",
+                                        "*.xplane.pb"))
+        assert len(traces) == 1, traces
+        events = [event.name for plane in jax.profiler.ProfileData.from_file(traces[0]).planes
+                  for line in plane.lines for event in line.events]
+        assert events.count("train") == 2, sorted(set(events))  # steps 3 and 4, one StepTraceAnnotation each
+        # XLA:CPU's own ops are there too: the trainer set --xla_cpu_enable_xprof_traceme for the workers.
+        assert any("fusion" in name for name in events), sorted(set(events))
 
 
 def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenizer_dir, tmp_path):
@@ -163,6 +178,11 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match="fewer than one global batch"):  # num_epochs: rows counted on the driver
         trainer.train(1, args.model_copy(update={"total_steps": None, "num_epochs": 2, "batch_size": 64}),
                       packed_rows(4))
+    with pytest.raises(ValueError, match=r"profile_start_step=3 is after the last step \(2 steps for num_epochs=1\)"):
+        trainer.train(1, args.model_copy(update={"total_steps": None, "num_epochs": 1, "batch_size": 4,
+                                                 "profile_start_step": 3}), packed_rows(4))
+    with pytest.raises(ValueError, match="profile_start_step=2 is after the last step"):
+        TrainingArguments(total_steps=1, profile_start_step=2)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
     with pytest.raises(ValueError, match="1 rows .* fewer than the 2 workers"):  # equal split: 0 rows each

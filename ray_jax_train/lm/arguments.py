@@ -66,6 +66,10 @@ class TrainingArguments(BaseModel):
     save_total_limit: Optional[int] = Field(None, ge=1)
     save_final_model: bool = True
     progress_bar: bool = True
+    # A jax.profiler trace of steps profile_start_step .. +profile_num_steps-1 on every worker, in the run's
+    # profile/ directory. Start after step 1, which compiles.
+    profile_start_step: Optional[int] = Field(None, ge=1)
+    profile_num_steps: int = Field(3, ge=1)
 
     # Resume and reproducibility
     resume_if_possible: bool = True
@@ -126,6 +130,12 @@ class TrainingArguments(BaseModel):
                 f"warmup_steps={self.warmup_steps} is longer than total_steps={self.total_steps}; the learning "
                 "rate would never finish warming up. Lower warmup_steps."
             )
+        if self.total_steps is not None and self.profile_start_step is not None \
+                and self.profile_start_step > self.total_steps:
+            raise ValueError(
+                f"profile_start_step={self.profile_start_step} is after the last step (total_steps="
+                f"{self.total_steps}), so nothing would be profiled. Pick a step <= {self.total_steps}; step 1 "
+                "also times the compile.")
         return self
 
     # -- derived ------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.arguments import TrainingArguments
     from ray_jax_train.lm.metrics import Progress, Throughput, peak_flops_per_device
+    from ray_jax_train.lm.profiling import StepProfiler
     from ray_jax_train.lm.step import (jit_train_step, keep_hyperparameters, make_eval_step, make_optimizer,
                                        new_state, one_all_reduce_axes)
     from ray_jax_train.models import flops_per_token
@@ -127,6 +128,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     outputs = RunOutputs.of_this_run()
     metrics_file = outputs.metrics_file() if rank0 else None
     progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
+    profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
+                            outputs.filesystem, rank=ray.train.get_context().get_world_rank())
+    profiler.skip_resumed(step)
 
     def evaluate() -> Dict[str, float]:
         batch_size = args.eval_batch_size or args.micro_batch_size
@@ -163,8 +167,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if step < total_steps:
             for epoch, seen, batch in epoch_batches(batches_of, position["epoch"], position["batch"], args.batch_size):
                 recorder.batch(step + 1, batch)
+                profiler.before_step(step + 1)
                 state, metrics = train_step(state, batch)
                 step, position = step + 1, {"epoch": epoch, "batch": seen}
+                profiler.after_step(step, metrics)
                 pending.append(metrics)
                 if compiled:
                     throughput.step()
@@ -197,6 +203,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 if step >= total_steps:
                     break
     finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)
+        profiler.stop()
         if metrics_file is not None:
             metrics_file.close()
 
