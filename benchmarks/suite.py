@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -64,6 +64,8 @@ class Context:
         self.storage = os.path.join(scratch, "storage")
         self.tokens_per_step = size["batch"] * size["seq"]
         self._n = 0
+        self.profile: Optional[Tuple[int, int]] = None  # (first step, steps) traced in built-in-loop variants
+        self.profile_out = ""
 
     def timing_dir(self, name: str) -> str:
         self._n += 1
@@ -123,17 +125,26 @@ def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bo
     from ray.train import ScalingConfig
 
     import ray_jax_train as rjt
+    from ray_jax_train.lm.profiling import CPU_TRACE_FLAG
 
     timing_dir = ctx.timing_dir(name)
     arguments = dict(V.lm_arguments(ctx.size, steps, ctx.log_every, workers), num_cpu_devices=cpu_devices, mesh=mesh)
+    profiled = ctx.profile is not None and steps >= sum(ctx.profile)
+    if profiled:
+        arguments.update(profile_start_step=ctx.profile[0], profile_num_steps=ctx.profile[1])
     config = {"arguments": arguments,
               "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir}
+    run_config = _run_config(ctx, name)
     trainer = rjt.JaxTrainer(
         V.ours_loop, train_loop_config=config,
-        jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir, num_cpu_devices=cpu_devices),
+        jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir, num_cpu_devices=cpu_devices,
+                                 xla_flags=[CPU_TRACE_FLAG] if profiled else []),
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-        run_config=_run_config(ctx, name), datasets={"train": ctx.dataset})
+        run_config=run_config, datasets={"train": ctx.dataset})
     t0 = _fit(trainer)
+    if profiled:  # the scratch storage goes at the end; keep the traces beside the report
+        shutil.copytree(os.path.join(ctx.storage, run_config.name, "profile"),
+                        os.path.join(ctx.profile_out, run_config.name))
     timing = _read(timing_dir)
     out = {"startup_s": timing["first_step_time"] - t0, "state_mb_per_device": timing["state_mb_per_device"]}
     if steps > ctx.warmup:
@@ -499,6 +510,10 @@ def main(argv=None) -> Dict[str, Any]:
     parser.add_argument("--no-checkpoint", action="store_true", help="skip (g), benchmarks/checkpoint_cost.py")
     parser.add_argument("--gpu", action="store_true", help="also run (h), benchmarks/mfu_gpu.py, on this machine's GPU")
     parser.add_argument("--machine", default=f"{os.cpu_count()}-core {platform.machine()} CPU")
+    parser.add_argument("--profile", nargs=2, type=int, metavar=("FIRST_STEP", "STEPS"),
+                        help="trace these steps of every built-in-loop variant (jax.profiler, every worker) into "
+                             "OUT/profile/<run>/worker_<rank>; read them with benchmarks/trace_summary.py. A traced "
+                             "run's timings are not comparable with untraced ones")
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.steps, args.warmup, args.log_every = 1, min(args.steps, 4), 1, 1
@@ -517,6 +532,8 @@ def main(argv=None) -> Dict[str, Any]:
     started = time.time()
     try:
         ctx = Context(SMOKE if args.smoke else FULL, args.steps, args.warmup, args.log_every, scratch)
+        if args.profile:
+            ctx.profile, ctx.profile_out = tuple(args.profile), os.path.join(args.out, "profile")
         rounds: List[Dict[str, Any]] = []
         for rnd in range(args.rounds):
             results: Dict[str, Any] = {}

@@ -12,7 +12,7 @@ from ray.train import DataConfig
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config
+from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config, with_worker_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class JaxTrainer(DataParallelTrainer):
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
         jax_config = _as_our_jax_config(jax_config)
         jax_config = resolve_jax_config(jax_config, scaling_config, run_config)
+        if scaling_config.num_workers != 0:
+            run_config = with_worker_allocator(jax_config, run_config)
         if scaling_config.num_workers == 0:
             logger.warning(
                 "ScalingConfig(num_workers=0) is Ray's local mode: the loop runs in this process and fit() starts "

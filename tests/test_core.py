@@ -5,6 +5,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec
 from ray.train import RunConfig, ScalingConfig
 
@@ -297,3 +298,40 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert '["a", 8' in seen["order"]
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
+
+
+def _step_page_faults(config):
+    """Runs in the worker: page faults of a jitted call after its first, with a 128 MB temporary in between."""
+    import resource
+
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x, w, v: jnp.tanh(x @ w) @ v)  # x @ w: a [8192, 4096] float32 temporary
+    args = (jnp.ones((8192, 64)), jnp.full((64, 4096), 0.01), jnp.ones((4096, 1)))
+    jax.block_until_ready(step(*args))
+    faults = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        jax.block_until_ready(step(*args))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    with open(config["out"], "w") as f:
+        json.dump({"faults": min(faults), "tunables": os.environ.get("GLIBC_TUNABLES")}, f)
+
+
+def test_cpu_workers_keep_the_memory_a_step_frees(ray_cluster, tmp_path):
+    """The default `keep_cpu_memory` starts CPU workers with glibc set to reuse XLA's per-step temporaries; off,
+    every call maps its 128 MB temporary afresh and the kernel faults in (and zeroes) all of its pages again."""
+    pages = (8192 * 4096 * 4) // 4096
+    seen = {}
+    for keep in (True, False):
+        out = tmp_path / f"keep_{keep}.json"
+        result = _fit(_step_page_faults, tmp_path, config={"out": str(out)}, num_workers=1,
+                      jax_config=rjt.JaxConfig(keep_cpu_memory=keep, compilation_cache=False))
+        assert result.error is None
+        seen[keep] = json.loads(out.read_text())
+    assert seen[True]["tunables"] and seen[False]["tunables"] is None, seen
+    assert seen[False]["faults"] > 0.75 * pages, seen  # the cost being removed is real here
+    assert seen[True]["faults"] < 0.1 * pages, seen
+    with pytest.raises(ValueError, match="worker_runtime_env"):
+        rjt.JaxConfig(env_vars={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
