@@ -46,7 +46,7 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
-            "ours_restart2_nocache", "ours_devices", "torch", "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
+            "ours_restart2_nocache", "ours_devices", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -100,8 +100,16 @@ def _run_config(ctx: Context, name: str):
 
 
 def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
-    timing = V.bare_run(ctx.size, ctx.steps, ctx.warmup, ctx.log_every)
-    return {"tokens_per_s": ctx.throughput(timing)}
+    """The jitted step in a process of its own, started with the allocator settings our CPU workers get
+    (`JaxConfig(keep_cpu_memory=True)`), so that (a) compares trainer with loop and not two allocators."""
+    from ray_jax_train.backend import KEEP_CPU_MEMORY_TUNABLES
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import suite_variants as V; "
+            "print(json.dumps(V.bare_run(*json.loads(sys.argv[2]))))")
+    env = dict(os.environ, GLIBC_TUNABLES=KEEP_CPU_MEMORY_TUNABLES, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code, HERE, json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return {"tokens_per_s": ctx.throughput(json.loads(out.strip().splitlines()[-1]))}
 
 
 def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
@@ -221,15 +229,20 @@ def run_fsdp2(ctx: Context, rnd: int) -> Dict[str, float]:
     return _ours(ctx, "fsdp2", steps=ctx.steps, workers=2, affinity=True, mesh={"fsdp": -1})
 
 
-def run_torch(ctx: Context, rnd: int) -> Dict[str, float]:
+def run_torch(ctx: Context, rnd: int, name: str = "torch") -> Dict[str, float]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    timing_dir = ctx.timing_dir("torch")
+    from ray_jax_train.backend import KEEP_CPU_MEMORY_TUNABLES
+
+    timing_dir = ctx.timing_dir(name)
+    run_config = _run_config(ctx, name)
+    if name == "torch_keep":
+        run_config.worker_runtime_env = {"env_vars": {"GLIBC_TUNABLES": KEEP_CPU_MEMORY_TUNABLES}}
     trainer = TorchTrainer(
         V.torch_loop, train_loop_config={"size": ctx.size, "steps": ctx.steps, "batch_size": ctx.size["batch"],
                                          "log_every": ctx.log_every, "timing_dir": timing_dir},
-        scaling_config=ScalingConfig(num_workers=1), run_config=_run_config(ctx, "torch"),
+        scaling_config=ScalingConfig(num_workers=1), run_config=run_config,
         datasets={"train": ctx.dataset})
     t0 = _fit(trainer)
     timing = _read(timing_dir)
@@ -283,6 +296,7 @@ RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
            "ours_devices": run_ours_devices, "torch": run_torch,
+           "torch_keep": lambda ctx, rnd: run_torch(ctx, rnd, "torch_keep"),
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "fsdp2": run_fsdp2,
            "data": run_data}
 
@@ -307,6 +321,8 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "overhead_ours_share": _ratio(rounds, "ours", "in_worker"),
         "vs_torch": _ratio(rounds, "ours", "torch"),
         "vs_torch_devices": _ratio(rounds, "ours_devices", "torch"),
+        # TorchTrainer with the allocator settings our CPU workers get (keep_cpu_memory): what torch would gain.
+        "vs_torch_keep": _ratio(rounds, "ours", "torch_keep"),
         "devices_gain": _ratio(rounds, "ours_devices", "ours"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
@@ -346,6 +362,7 @@ LABELS = {
     "overhead_ray_share": "(a) split: bare loop in a JaxTrainer worker / bare process",
     "overhead_ours_share": "(a) split: ours / bare loop in a JaxTrainer worker", "vs_torch": "(b) ours / TorchTrainer",
     "vs_torch_devices": "(b) ours, a CPU device per core / TorchTrainer",
+    "vs_torch_keep": "(b) ours / TorchTrainer with our workers' allocator settings",
     "devices_gain": "(b) ours, a CPU device per core / ours, one device",
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
