@@ -3,6 +3,7 @@ import glob
 import json
 import logging
 import os
+import sys
 
 import jax
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 from ray_jax_train.lm import RayDistributedTrainer, TrainingArguments, read_metrics
 from ray_jax_train.lm.state import split_model
 from ray_jax_train.text import EmptyDatasetError, MissingColumnError, train_tokenizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import trace_summary  # noqa: E402
 
 SEQ = 32
 SCALING = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -119,6 +123,10 @@ def test_profile_window_is_traced_on_every_worker(scratch_run):
         assert events.count("train") == 2, sorted(set(events))  # steps 3 and 4, one StepTraceAnnotation each
         # XLA:CPU's own ops are there too: the trainer set --xla_cpu_enable_xprof_traceme for the workers.
         assert any("fusion" in name for name in events), sorted(set(events))
+        # benchmarks/trace_summary.py splits the program runs into collectives and other ops: the steps' one flat
+        # gradient all-reduce over the two processes is there.
+        runs = trace_summary.steps_of(traces[0], min_ms=0.0)
+        assert any(run["collective_ms"] > 0 and run["ops_ms"] > 0 for run in runs), runs
 
 
 def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenizer_dir, tmp_path):
