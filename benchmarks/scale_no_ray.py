@@ -74,9 +74,14 @@ def run(processes: int, steps: int, warmup: int) -> float:
     env = dict(os.environ, GLIBC_TUNABLES=KEEP_CPU_MEMORY_TUNABLES, JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, __file__, "--child", str(rank), str(processes), str(port)]
                               + ["--steps", str(steps), "--warmup", str(warmup)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              env=env, stdout=subprocess.PIPE, text=True)  # stderr shows, for failures
              for rank in range(processes)]
-    outputs = [p.communicate()[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # one rank that died leaves the others waiting for it in jax.distributed
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a child process failed: {[p.returncode for p in procs]}")
     return json.loads(outputs[0].strip().splitlines()[-1])["tokens_per_s"]

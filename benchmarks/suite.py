@@ -107,9 +107,11 @@ def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import suite_variants as V; "
             "print(json.dumps(V.bare_run(*json.loads(sys.argv[2]))))")
     env = dict(os.environ, GLIBC_TUNABLES=KEEP_CPU_MEMORY_TUNABLES, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code, HERE, json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])],
-                         env=env, check=True, capture_output=True, text=True).stdout
-    return {"tokens_per_s": ctx.throughput(json.loads(out.strip().splitlines()[-1]))}
+    done = subprocess.run([sys.executable, "-c", code, HERE, json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the bare process failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return {"tokens_per_s": ctx.throughput(json.loads(done.stdout.strip().splitlines()[-1]))}
 
 
 def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
@@ -137,7 +139,7 @@ def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bo
 
     timing_dir = ctx.timing_dir(name)
     arguments = dict(V.lm_arguments(ctx.size, steps, ctx.log_every, workers), num_cpu_devices=cpu_devices, mesh=mesh)
-    profiled = ctx.profile is not None and steps >= sum(ctx.profile)
+    profiled = ctx.profile is not None and steps >= ctx.profile[0] + ctx.profile[1] - 1
     if profiled:
         arguments.update(profile_start_step=ctx.profile[0], profile_num_steps=ctx.profile[1])
     config = {"arguments": arguments,

@@ -51,8 +51,10 @@ class JaxConfig(BackendConfig):
             (`GLIBC_TUNABLES`: one arena, no mmap, no trimming). XLA:CPU allocates each step's temporaries as one
             block (312 MB for the benchmark model); by default glibc maps it fresh every step and the kernel
             zero-fills every page again, 15-20% of a step. Kept, the block is reused: 1.28x tokens/s on that model.
-            The cost is a resident size that stays at the peak. Skipped where `GLIBC_TUNABLES` is already set
-            (the driver's environment or `RunConfig(worker_runtime_env=...)`).
+            The costs: the process keeps the most memory it ever held (checkpoint and eval buffers included)
+            and never returns it to the OS, and all threads share one allocator lock. Measured on a 2-core VM
+            only; False gives glibc's defaults back. Skipped where `GLIBC_TUNABLES` is already set (the
+            driver's environment or `RunConfig(worker_runtime_env=...)`).
         initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts;
             shutdown_timeout_s=None takes `JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S` from the driver (as Ray does), else 60.
         distributed: False leaves `jax.distributed` alone: each worker is its own JAX process (as Ray's
@@ -184,9 +186,14 @@ def with_worker_allocator(config: JaxConfig, run_config):
     It must be in the worker's runtime env (the environment the process starts with), not `JaxConfig.env_vars`.
     The caller's RunConfig is not changed.
     """
-    if not config.keep_cpu_memory or config.platform != "cpu" or "GLIBC_TUNABLES" in os.environ:
+    if not config.keep_cpu_memory or config.platform != "cpu":
         return run_config
-    from ray.train import RunConfig
+    if "GLIBC_TUNABLES" in os.environ:
+        # Workers of a cluster this process starts inherit it; a remote cluster's do not.
+        logger.info("keep_cpu_memory: GLIBC_TUNABLES is set on the driver, so the workers' allocator is left to "
+                    "it; for a remote cluster set it in RunConfig(worker_runtime_env={'env_vars': ...}).")
+        return run_config
+    from ray.train.v2.api.config import RunConfig
 
     run_config = copy.copy(run_config) if run_config is not None else RunConfig()
     runtime_env = dict(run_config.worker_runtime_env or {})

@@ -746,6 +746,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.data import prepare_lm_datasets
     from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
+    from ray_jax_train.lm.profiling import with_trace_flags
     from ray_jax_train.trainer import JaxTrainer
 
     name = run_name or config.run_name()
@@ -768,7 +769,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
 
     s = config.scaling
     custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker
-    jax_config = jax_config_for(s)
+    jax_config = with_trace_flags(jax_config_for(s), args)
     callbacks = list(callbacks)
     if config.run.tensorboard:
         from ray_jax_train.plot import TensorBoardCallback

@@ -157,6 +157,21 @@ def test_warmup_longer_than_the_counted_epochs_exits_2_before_workers(ray_cluste
     code, _, err = run(["fit", TINY, "--set", "training.total_steps=null", "--set", "training.num_epochs=1",
                         "--set", "training.warmup_steps=100000", "--set", f"run.storage_path={tmp_path}"], capsys)
     assert code == 2 and "warmup_steps=100000 exceeds the" in err and "training steps" in err, err
+    code, _, err = run(["fit", TINY, "--set", "training.total_steps=null", "--set", "training.num_epochs=1",
+                        "--set", "training.profile_start_step=100000", "--set", f"run.storage_path={tmp_path}"], capsys)
+    assert code == 2 and "profile_start_step=100000 is after the last step" in err, err
+
+
+def test_a_profiled_cli_run_turns_on_xla_cpu_op_events(ray_cluster, tmp_path):
+    from ray_jax_train.lm.profiling import CPU_TRACE_FLAG
+    from ray_jax_train.run_config import build_trainer, load_config
+
+    def flags(*overrides):
+        trainer, _ = build_trainer(load_config(TINY, [f"run.storage_path={tmp_path}", *overrides]))
+        return list(trainer.jax_config.xla_flags)
+
+    assert CPU_TRACE_FLAG in flags("training.profile_start_step=2")
+    assert CPU_TRACE_FLAG not in flags()
 
 
 def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster, capsys, tmp_path):

@@ -455,3 +455,38 @@ def test_gradients_summed_in_one_flat_all_reduce_equal_xla_s_reduction(accumulat
     assert _max_diff(results[()][0], params) > 1e-3  # it trained
     # One process: XLA's in-process reduction is a copy, so the step is left to XLA.
     assert one_all_reduce_axes(mesh, jax.tree.map(lambda x: x.sharding, state)) == ()
+
+
+def test_step_profiler_window_resume_and_a_trace_already_running(tmp_path, caplog):
+    """No Ray: which steps a StepProfiler traces, that a resumed run never traces its compiling step, and that a
+    trace the user already runs is neither broken into nor stopped (the loop trains on, untraced)."""
+    from ray_jax_train.lm.profiling import StepProfiler
+
+    add = jax.jit(lambda x: x + 1)
+    profiler = StepProfiler(2, 2, str(tmp_path / "profile"), rank=1)
+    x = jnp.zeros(4)
+    for step in range(1, 6):
+        profiler.before_step(step)
+        x = add(x)
+        profiler.after_step(step, x)
+    profiler.stop()
+    traces = list((tmp_path / "profile" / "worker_1").rglob("*.xplane.pb"))
+    assert len(traces) == 1
+    events = [e.name for plane in jax.profiler.ProfileData.from_file(str(traces[0])).planes
+              for line in plane.lines for e in line.events]
+    assert events.count("train") == 2  # steps 2 and 3, not 1, 4 or 5
+
+    for resumed_after, kept in ((3, False), (4, False), (2, True), (0, True)):  # window 4-5
+        p = StepProfiler(4, 2, str(tmp_path / "resumed"))
+        p.skip_resumed(resumed_after)
+        assert (p.start_step == 4) is kept, resumed_after  # resumed after 3: step 4 compiles
+
+    jax.profiler.start_trace(str(tmp_path / "users_own"))
+    try:
+        theirs = StepProfiler(1, 1, str(tmp_path / "ours"))
+        theirs.before_step(1)  # cannot start a second trace: logged, not raised
+        theirs.after_step(1, add(x))
+        theirs.stop()
+        assert theirs.start_step is None and "Could not start the profile" in caplog.text
+    finally:
+        jax.profiler.stop_trace()  # still running: ours did not stop it (this would raise otherwise)

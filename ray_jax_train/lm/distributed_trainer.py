@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, ModelScaling, canonical_dtype
 from ray_jax_train.lm.arguments import TrainingArguments
-from ray_jax_train.lm.profiling import CPU_TRACE_FLAG
+from ray_jax_train.lm.profiling import with_trace_flags
 from ray_jax_train.storage import absolute
 
 logger = logging.getLogger(__name__)
@@ -259,10 +259,6 @@ class RayDistributedTrainer:
         datasets, columns, total_steps = prepare_lm_datasets(
             dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
             max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
-        if args.profile_start_step is not None and args.profile_start_step > total_steps:
-            raise ValueError(f"profile_start_step={args.profile_start_step} is after the last step ({total_steps} "
-                             f"steps for num_epochs={args.num_epochs}), so nothing would be profiled. Pick a "
-                             f"step <= {total_steps}; step 1 also times the compile.")
 
         run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = JaxTrainer(
@@ -271,8 +267,7 @@ class RayDistributedTrainer:
                                           tokenizer=tokenizer,
                                           **self._extra_loop_config),
             scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
-            jax_config=JaxConfig(num_cpu_devices=args.num_cpu_devices, xla_flags=(
-                [CPU_TRACE_FLAG] if args.profile_start_step is not None and not args.use_gpu else [])),
+            jax_config=with_trace_flags(JaxConfig(num_cpu_devices=args.num_cpu_devices), args),
             run_config=RunConfig(
                 name=run_name,
                 storage_path=absolute(args.output_dir) if args.output_dir else None,

@@ -37,10 +37,11 @@ class StepProfiler:
         return None if self.start_step is None else self.start_step + self.num_steps - 1
 
     def skip_resumed(self, step: int) -> None:
-        """A run resumed past the window traces nothing (its first steps would include the compile)."""
-        if self.start_step is not None and step >= self.start_step:
-            logger.warning("Not profiling: the run resumed at step %d, past profile_start_step=%d.", step,
-                           self.start_step)
+        """A run resumed after `step` completed steps compiles in step `step + 1`: a window that has begun by
+        then traces nothing (it would time the compile, or be cut short)."""
+        if self.start_step is not None and step > 0 and step + 1 >= self.start_step:
+            logger.warning("Not profiling: the run resumed after step %d, at or past profile_start_step=%d.",
+                           step, self.start_step)
             self.start_step = None
 
     def before_step(self, step: int) -> None:
@@ -50,12 +51,20 @@ class StepProfiler:
         from ray_jax_train.storage import local_dir_for
 
         if step == self.start_step and self._files is None:
-            self._files = contextlib.ExitStack()
-            local = self._files.enter_context(local_dir_for(self.destination, self.filesystem))
-            jax.profiler.start_trace(local)
+            files = contextlib.ExitStack()
+            try:
+                jax.profiler.start_trace(files.enter_context(local_dir_for(self.destination, self.filesystem)))
+            except Exception:  # e.g. the user's own trace is running: train on, untraced
+                files.close()
+                logger.warning("Could not start the profile of steps %d-%d; training on without it.",
+                               self.start_step, self.last_step, exc_info=True)
+                self.start_step = None
+                return
+            self._files = files
             logger.info("Profiling steps %d-%d into %s.", self.start_step, self.last_step, self.destination)
         if self._files is not None:
-            # Marks each step in the trace, so TensorBoard's step view and a reader can split the time by step.
+            # Marks each step's dispatch in the trace (TensorBoard's step view); with asynchronous dispatch the
+            # step's computation runs after its marker, on XLA's threads.
             self._step_annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
             self._step_annotation.__enter__()
 
@@ -68,7 +77,11 @@ class StepProfiler:
             self.stop(outputs)
 
     def stop(self, outputs: Any = None) -> None:
-        """Ends the trace, once the traced steps have finished, and uploads it. Safe to call when not tracing."""
+        """Ends the trace, once the traced steps have finished, and uploads it. Safe to call when not tracing.
+
+        Never raises: a profile that cannot be written (full disk, an upload error) is logged, and training, or
+        the error that is already on its way out of the loop, goes on.
+        """
         import jax
 
         if self._step_annotation is not None:
@@ -78,11 +91,24 @@ class StepProfiler:
             return
         files, self._files = self._files, None
         try:
-            if outputs is not None:
-                jax.block_until_ready(outputs)  # dispatch is asynchronous: the window's steps must be in the trace
-        finally:
             try:
-                jax.profiler.stop_trace()
+                if outputs is not None:
+                    jax.block_until_ready(outputs)  # dispatch is asynchronous: the window's steps must be traced
             finally:
-                files.close()
-        logger.info("Wrote the profile of steps %d-%d to %s.", self.start_step, self.last_step, self.destination)
+                try:
+                    jax.profiler.stop_trace()
+                finally:
+                    files.close()
+            logger.info("Wrote the profile of steps %d-%d to %s.", self.start_step, self.last_step, self.destination)
+        except Exception:
+            logger.warning("Could not write the profile of steps %d-%d to %s.", self.start_step, self.last_step,
+                           self.destination, exc_info=True)
+
+
+def with_trace_flags(jax_config, args):
+    """`jax_config` with XLA:CPU's per-op trace events on when `args` profiles steps (harmless off CPU)."""
+    import dataclasses
+
+    if args.profile_start_step is None or CPU_TRACE_FLAG in jax_config.xla_flags:
+        return jax_config
+    return dataclasses.replace(jax_config, xla_flags=[*jax_config.xla_flags, CPU_TRACE_FLAG])
