@@ -46,7 +46,8 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
-            "ours_restart2_nocache", "ours_devices", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2", "fsdp2", "data")
+            "ours_restart2_nocache", "ours_devices", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2",
+            "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -107,8 +108,8 @@ def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import suite_variants as V; "
             "print(json.dumps(V.bare_run(*json.loads(sys.argv[2]))))")
     env = dict(os.environ, GLIBC_TUNABLES=KEEP_CPU_MEMORY_TUNABLES, JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", code, HERE, json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])],
-                          env=env, capture_output=True, text=True)
+    sizes = json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])
+    done = subprocess.run([sys.executable, "-c", code, HERE, sizes], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the bare process failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return {"tokens_per_s": ctx.throughput(json.loads(done.stdout.strip().splitlines()[-1]))}

@@ -1,4 +1,4 @@
-"""Where a traced step's time went, per worker: from the `profile/` traces of `profile_start_step` or `suite.py --profile`.
+"""Where a traced step's time went, per worker, from the traces `profile_start_step` or `suite.py --profile` write.
 
     python benchmarks/trace_summary.py bench_out/profile/scale2_12          # every worker_<rank> below it
     python benchmarks/trace_summary.py <run dir>/profile --top 8
@@ -61,8 +61,9 @@ def main(argv=None) -> None:
         print(f"== {os.path.relpath(path, args.root)}: {len(steps)} steps")
         for s in steps:
             top = sorted(s["ops"].items(), key=lambda kv: -kv[1])[:args.top]
-            print(f"  wall {s['wall_ms']:7.0f} ms  collectives {s['collective_ms']:6.0f}  other ops {s['ops_ms']:7.0f}  "
-                  + ", ".join(f"{name} {ms:.0f}" for name, ms in top))
+            largest = ", ".join(f"{name} {ms:.0f}" for name, ms in top)
+            print(f"  wall {s['wall_ms']:7.0f} ms  collectives {s['collective_ms']:6.0f}  "
+                  f"other ops {s['ops_ms']:7.0f}  {largest}")
 
 
 if __name__ == "__main__":

@@ -177,7 +177,8 @@ class JaxConfig(BackendConfig):
 
 # glibc serves blocks over 32 MB with mmap (thread arenas always: their heaps are 64 MB at most) and unmaps them on
 # free. One arena that never maps and never trims keeps such blocks for the next step.
-KEEP_CPU_MEMORY_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=" + str(1 << 50)
+KEEP_CPU_MEMORY_TUNABLES = ":".join(["glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0",
+                                     f"glibc.malloc.trim_threshold={1 << 50}"])
 
 
 def with_worker_allocator(config: JaxConfig, run_config):
