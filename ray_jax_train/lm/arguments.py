@@ -130,13 +130,16 @@ class TrainingArguments(BaseModel):
                 f"warmup_steps={self.warmup_steps} is longer than total_steps={self.total_steps}; the learning "
                 "rate would never finish warming up. Lower warmup_steps."
             )
-        if self.total_steps is not None and self.profile_start_step is not None \
-                and self.profile_start_step > self.total_steps:
-            raise ValueError(
-                f"profile_start_step={self.profile_start_step} is after the last step (total_steps="
-                f"{self.total_steps}), so nothing would be profiled. Pick a step <= {self.total_steps}; step 1 "
-                "also times the compile.")
+        if self.total_steps is not None:
+            self.check_profile_window(self.total_steps)
         return self
+
+    def check_profile_window(self, total_steps: int) -> None:
+        """Refuse a profile window that starts after the run's last step (with num_epochs, once it is counted)."""
+        if self.profile_start_step is not None and self.profile_start_step > total_steps:
+            raise ValueError(
+                f"profile_start_step={self.profile_start_step} is after the last step ({total_steps} steps), so "
+                f"nothing would be profiled. Pick a step <= {total_steps}; step 1 also times the compile.")
 
     # -- derived ------------------------------------------------------------------------------------------
 

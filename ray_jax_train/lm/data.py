@@ -98,10 +98,7 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
     if args.warmup_steps > total_steps:
         raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
                          "warmup_steps or train longer.")
-    if args.profile_start_step is not None and args.profile_start_step > total_steps:
-        raise ValueError(f"profile_start_step={args.profile_start_step} is after the last step ({total_steps} "
-                         f"steps), so nothing would be profiled. Pick a step <= {total_steps}; step 1 also times "
-                         "the compile.")
+    args.check_profile_window(total_steps)
     return datasets, columns, total_steps
 
 
