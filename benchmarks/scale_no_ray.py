@@ -66,7 +66,7 @@ def child(rank: int, processes: int, port: int, steps: int, warmup: int) -> None
 
 
 def run(processes: int, steps: int, warmup: int) -> float:
-    from ray_jax_train.backend import KEEP_CPU_MEMORY_TUNABLES
+    from ray_jax_train.allocator import KEEP_CPU_MEMORY_TUNABLES
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

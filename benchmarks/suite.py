@@ -103,7 +103,7 @@ def _run_config(ctx: Context, name: str):
 def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
     """The jitted step in a process of its own, started with the allocator settings our CPU workers get
     (`JaxConfig(keep_cpu_memory=True)`), so that (a) compares trainer with loop and not two allocators."""
-    from ray_jax_train.backend import KEEP_CPU_MEMORY_TUNABLES
+    from ray_jax_train.allocator import KEEP_CPU_MEMORY_TUNABLES
 
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import suite_variants as V; "
             "print(json.dumps(V.bare_run(*json.loads(sys.argv[2]))))")
@@ -236,7 +236,7 @@ def run_torch(ctx: Context, rnd: int, name: str = "torch") -> Dict[str, float]:
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_jax_train.backend import KEEP_CPU_MEMORY_TUNABLES
+    from ray_jax_train.allocator import KEEP_CPU_MEMORY_TUNABLES
 
     timing_dir = ctx.timing_dir(name)
     run_config = _run_config(ctx, name)

@@ -6,7 +6,6 @@ pushes JAX/XLA settings into the worker before its JAX backend starts.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -15,6 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import ray
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
+
+from ray_jax_train.allocator import check_worker_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class JaxConfig(BackendConfig):
             The costs: the process keeps the most memory it ever held (checkpoint and eval buffers included)
             and never returns it to the OS, and all threads share one allocator lock. Measured on a 2-core VM
             only; False gives glibc's defaults back. Skipped where `GLIBC_TUNABLES` is already set (the
-            driver's environment or `RunConfig(worker_runtime_env=...)`).
+            driver's environment or `RunConfig(worker_runtime_env=...)`). Each worker checks that its allocator
+            honours the settings and logs a warning naming the cause where it does not (another malloc
+            preloaded, a glibc that ignores them).
         initialization_timeout_s / heartbeat_timeout_s / shutdown_timeout_s: `jax.distributed` timeouts;
             shutdown_timeout_s=None takes `JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S` from the driver (as Ray does), else 60.
         distributed: False leaves `jax.distributed` alone: each worker is its own JAX process (as Ray's
@@ -173,38 +176,6 @@ class JaxConfig(BackendConfig):
         if self.compilation_cache and self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
         return env
-
-
-# glibc serves blocks over 32 MB with mmap (thread arenas always: their heaps are 64 MB at most) and unmaps them on
-# free. One arena that never maps and never trims keeps such blocks for the next step.
-KEEP_CPU_MEMORY_TUNABLES = ":".join(["glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0",
-                                     f"glibc.malloc.trim_threshold={1 << 50}"])
-
-
-def with_worker_allocator(config: JaxConfig, run_config):
-    """`run_config` with `GLIBC_TUNABLES` for the workers' processes when `config.keep_cpu_memory` applies.
-
-    It must be in the worker's runtime env (the environment the process starts with), not `JaxConfig.env_vars`.
-    The caller's RunConfig is not changed.
-    """
-    if not config.keep_cpu_memory or config.platform != "cpu":
-        return run_config
-    if "GLIBC_TUNABLES" in os.environ:
-        # Workers of a cluster this process starts inherit it; a remote cluster's do not.
-        logger.info("keep_cpu_memory: GLIBC_TUNABLES is set on the driver, so the workers' allocator is left to "
-                    "it; for a remote cluster set it in RunConfig(worker_runtime_env={'env_vars': ...}).")
-        return run_config
-    from ray.train.v2.api.config import RunConfig
-
-    run_config = copy.copy(run_config) if run_config is not None else RunConfig()
-    runtime_env = dict(run_config.worker_runtime_env or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
-    if "GLIBC_TUNABLES" in env_vars:
-        return run_config
-    env_vars["GLIBC_TUNABLES"] = KEEP_CPU_MEMORY_TUNABLES
-    runtime_env["env_vars"] = env_vars
-    run_config.worker_runtime_env = runtime_env
-    return run_config
 
 
 def _leads_with(jax_platforms: str, platform: str) -> bool:
@@ -370,6 +341,7 @@ def _setup_worker(
         )
     jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
     if config.platform == "cpu":
+        check_worker_allocator()
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.compilation_cache and config.compilation_cache_dir:

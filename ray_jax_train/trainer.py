@@ -12,7 +12,8 @@ from ray.train import DataConfig
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config, with_worker_allocator
+from ray_jax_train.allocator import with_worker_allocator
+from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config
 
 logger = logging.getLogger(__name__)
 
