@@ -46,7 +46,7 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
-            "ours_restart2_nocache", "ours_devices", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2",
+            "ours_restart2_nocache", "ours_devices", "ours_nokeep", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2",
             "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
@@ -132,7 +132,8 @@ def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
-          cache_dir: str = None, cpu_devices: int = 1, mesh: Dict[str, int] = None) -> Dict[str, float]:
+          cache_dir: str = None, cpu_devices: int = 1, mesh: Dict[str, int] = None,
+          keep_memory: bool = True) -> Dict[str, float]:
     from ray.train import ScalingConfig
 
     import ray_jax_train as rjt
@@ -149,7 +150,7 @@ def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bo
     trainer = rjt.JaxTrainer(
         V.ours_loop, train_loop_config=config,
         jax_config=rjt.JaxConfig(cpu_affinity=affinity, compilation_cache_dir=cache_dir, num_cpu_devices=cpu_devices,
-                                 xla_flags=[CPU_TRACE_FLAG] if profiled else []),
+                                 xla_flags=[CPU_TRACE_FLAG] if profiled else [], keep_cpu_memory=keep_memory),
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
         run_config=run_config, datasets={"train": ctx.dataset})
     t0 = _fit(trainer)
@@ -171,6 +172,12 @@ def _cache_dir(ctx: Context, rnd: int) -> str:
 def run_ours(ctx: Context, rnd: int) -> Dict[str, float]:
     shutil.rmtree(_cache_dir(ctx, rnd), ignore_errors=True)
     return _ours(ctx, "ours", steps=ctx.steps, cache_dir=_cache_dir(ctx, rnd))
+
+
+def run_ours_nokeep(ctx: Context, rnd: int) -> Dict[str, float]:
+    """`ours` with glibc's allocator defaults (`JaxConfig(keep_cpu_memory=False)`): what the default gains in the
+    trainer, not only in a bare process."""
+    return _ours(ctx, "ours_nokeep", steps=ctx.steps, keep_memory=False)
 
 
 def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
@@ -298,7 +305,7 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
-           "ours_devices": run_ours_devices, "torch": run_torch,
+           "ours_devices": run_ours_devices, "ours_nokeep": run_ours_nokeep, "torch": run_torch,
            "torch_keep": lambda ctx, rnd: run_torch(ctx, rnd, "torch_keep"),
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "fsdp2": run_fsdp2,
            "data": run_data}
@@ -326,6 +333,8 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "vs_torch_devices": _ratio(rounds, "ours_devices", "torch"),
         # TorchTrainer with the allocator settings our CPU workers get (keep_cpu_memory): what torch would gain.
         "vs_torch_keep": _ratio(rounds, "ours", "torch_keep"),
+        # keep_cpu_memory inside the trainer: the default / glibc's defaults.
+        "keep_gain": _ratio(rounds, "ours", "ours_nokeep"),
         "devices_gain": _ratio(rounds, "ours_devices", "ours"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
@@ -366,6 +375,7 @@ LABELS = {
     "overhead_ours_share": "(a) split: ours / bare loop in a JaxTrainer worker", "vs_torch": "(b) ours / TorchTrainer",
     "vs_torch_devices": "(b) ours, a CPU device per core / TorchTrainer",
     "vs_torch_keep": "(b) ours / TorchTrainer with our workers' allocator settings",
+    "keep_gain": "(b) ours / ours with keep_cpu_memory=False",
     "devices_gain": "(b) ours, a CPU device per core / ours, one device",
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
