@@ -46,8 +46,8 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
-            "ours_restart2_nocache", "ours_devices", "ours_nokeep", "torch", "torch_keep", "ray_jax", "ours_step", "scale1", "scale2",
-            "fsdp2", "data")
+            "ours_restart2_nocache", "ours_devices", "ours_nokeep", "torch", "torch_keep", "ray_jax", "ours_step",
+            "scale1", "scale2", "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
