@@ -72,7 +72,6 @@ def build(size: str, seq: int, param_dtype: str, remat: bool):
 def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
             remat: bool = False, peak_tflops=None) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx

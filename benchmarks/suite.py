@@ -5,7 +5,8 @@
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
 Each round runs every variant once (bare, in-worker, ours, ours-warm-cache, ours-restart with and without the cache,
-ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, fsdp-2, data; reversed on odd rounds), so load drift on a
+ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, bare-1/2, in-worker-1/2, fsdp-2, data; reversed on odd
+rounds), so load drift on a
 shared machine hits all of them alike; the figures are per-round ratios,
 reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
@@ -15,6 +16,8 @@ Nothing here asserts anything about time. Measurements (targets from the benchma
     vs_ray_jax ours / Ray's ray.train.v2.jax.JaxTrainer + Ray's iter_jax_batches + hand-written step >= 1.0
                (and like for like: that hand-written step on our JaxTrainer + our iter_jax_batches / Ray's)
     scaling    2 workers / 1 worker, 1 CPU each (cpu_affinity=True), same batch per worker          >= 1.8
+               (split: the same step in 1 and 2 pinned processes without Ray, and in pinned JaxTrainer workers
+               without our data path and loop)
     sharding   the 2 workers with the state split (fsdp=2) / replicated (dp=2): tokens/s and state MB per device
     input      iter_jax_batches alone / what the step consumes (tokens/s)                          >= 10
     startup    fit() -> first finished step: ours (cold / warm compilation cache) vs TorchTrainer
@@ -47,7 +50,7 @@ FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
             "ours_restart2_nocache", "ours_devices", "ours_nokeep", "torch", "torch_keep", "ray_jax", "ours_step",
-            "scale1", "scale2", "fsdp2", "data")
+            "scale1", "scale2", "bare1", "bare2", "in_worker1", "in_worker2", "fsdp2", "data")
 TARGETS = {"overhead": 0.98, "vs_torch": 1.0, "vs_torch_devices": 1.0, "vs_ray_jax": 1.0, "vs_ray_jax_same_step": 1.0, "scaling": 1.8,
            "input": 10.0}
 
@@ -129,6 +132,42 @@ def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
         run_config=_run_config(ctx, "in_worker"))
     _fit(trainer)
     return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
+
+
+def run_bare_pinned(processes: int) -> Callable:
+    """(d) without Ray (`bare1`, `bare2`): the data-parallel step in 1 or 2 processes of their own, pinned to a
+    core each, jax.distributed + gloo between them (`scale_no_ray.py`): the machine's and the collective's share."""
+
+    def run(ctx: Context, rnd: int) -> Dict[str, float]:
+        import scale_no_ray
+
+        return {"tokens_per_s": scale_no_ray.run(processes, ctx.steps, ctx.warmup, size=ctx.size,
+                                                 log_every=ctx.log_every)}
+
+    return run
+
+
+def run_in_worker_dp(workers: int) -> Callable:
+    """(d) with Ray but without our data path and loop (`in_worker1`, `in_worker2`): the same data-parallel step
+    as `bare1` / `bare2`, inside JaxTrainer workers pinned as `scale1` / `scale2` are."""
+
+    def run(ctx: Context, rnd: int) -> Dict[str, float]:
+        from ray.train import ScalingConfig
+
+        import ray_jax_train as rjt
+
+        name = f"in_worker{workers}"
+        timing_dir = ctx.timing_dir(name)
+        trainer = rjt.JaxTrainer(
+            V.in_worker_dp_loop, train_loop_config={"size": ctx.size, "steps": ctx.steps,
+                                                    "log_every": ctx.log_every, "timing_dir": timing_dir},
+            jax_config=rjt.JaxConfig(cpu_affinity=True),
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+            run_config=_run_config(ctx, name))
+        _fit(trainer)
+        return {"tokens_per_s": ctx.throughput(_read(timing_dir), workers)}
+
+    return run
 
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
@@ -302,7 +341,8 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
     return {"tokens_per_s": ctx.throughput(_read(timing_dir))}
 
 
-RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "ours": run_ours, "ours_warm": run_ours_warm,
+RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "bare1": run_bare_pinned(1), "bare2": run_bare_pinned(2),
+           "in_worker1": run_in_worker_dp(1), "in_worker2": run_in_worker_dp(2), "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
            "ours_devices": run_ours_devices, "ours_nokeep": run_ours_nokeep, "torch": run_torch,
@@ -339,6 +379,14 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
         "scaling": _ratio(rounds, "scale2", "scale1"),
+        # (d) split like (a), for 1 and for 2 pinned workers: the same step without Ray (the machine and the
+        # collective), in JaxTrainer workers (Ray's processes), then our data path + built-in loop on top.
+        "scaling_no_ray": _ratio(rounds, "bare2", "bare1"),
+        "scaling_in_worker": _ratio(rounds, "in_worker2", "in_worker1"),
+        "scale1_ray_share": _ratio(rounds, "in_worker1", "bare1"),
+        "scale1_ours_share": _ratio(rounds, "scale1", "in_worker1"),
+        "scale2_ray_share": _ratio(rounds, "in_worker2", "bare2"),
+        "scale2_ours_share": _ratio(rounds, "scale2", "in_worker2"),
         # Sharding: FSDP's speed and state bytes per device against data parallelism on the same 2 workers.
         "fsdp_over_dp": _ratio(rounds, "fsdp2", "scale2"),
         "fsdp_state_over_dp": _ratio(rounds, "fsdp2", "scale2", "state_mb_per_device"),
@@ -380,6 +428,12 @@ LABELS = {
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",
     "scaling": "(d) scaling: 2 workers / 1 (affinity)",
+    "scaling_no_ray": "(d) the same step without Ray: 2 pinned processes / 1",
+    "scaling_in_worker": "(d) the same step in pinned JaxTrainer workers, no data path or loop: 2 / 1",
+    "scale1_ray_share": "(d) split, 1 worker: step in a pinned worker / in a pinned process",
+    "scale1_ours_share": "(d) split, 1 worker: scale1 / step in a pinned worker",
+    "scale2_ray_share": "(d) split, 2 workers: step in pinned workers / in pinned processes",
+    "scale2_ours_share": "(d) split, 2 workers: scale2 / step in pinned workers",
     "fsdp_over_dp": "(i) sharding: 2 workers, fsdp=2 / dp=2, tokens/s",
     "fsdp_state_over_dp": "(i) sharding: 2 workers, fsdp=2 / dp=2, train state bytes per device",
     "input": "(e) input pipeline / step consumption",

@@ -84,18 +84,25 @@ def bare_run(size: Dict[str, int], steps: int, warmup: int, log_every: int,
         state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
     step_fn = jax.jit(make_train_step(graphdef, optimizer), donate_argnums=(0,))
     rows = make_rows({"id": np.arange(steps * size["batch"])}, size["vocab"], size["seq"])
-    log_times, first = [], None
+    batches = ({k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]], batch_sharding)
+                for k, v in rows.items()} for i in range(steps))
     with jax.set_mesh(mesh) if data_parallel else contextlib.nullcontext():
-        for i in range(steps):
-            batch = {k: jax.device_put(v[i * size["batch"]:(i + 1) * size["batch"]], batch_sharding)
-                     for k, v in rows.items()}
-            state, metrics = step_fn(state, batch)
-            if first is None:
-                jax.block_until_ready(metrics)
-                first = time.time()
-            if (i + 1) % log_every == 0:
-                float(metrics["loss"])
-                log_times.append((i + 1, time.time()))
+        return _timed_steps(step_fn, state, batches, log_every)
+
+
+def _timed_steps(step_fn, state, batches, log_every: int) -> Dict[str, Any]:
+    """Run the steps; stamp the first finished step and each host sync (the loss fetched every `log_every`)."""
+    import jax
+
+    log_times, first = [], None
+    for i, batch in enumerate(batches):
+        state, metrics = step_fn(state, batch)
+        if first is None:
+            jax.block_until_ready(metrics)
+            first = time.time()
+        if (i + 1) % log_every == 0:
+            float(metrics["loss"])
+            log_times.append((i + 1, time.time()))
     return {"log_times": log_times, "first_step_time": first}
 
 
@@ -103,6 +110,50 @@ def in_worker_loop(config: Dict[str, Any]) -> None:
     """`bare_run`, unchanged, inside a JaxTrainer worker with no dataset: what Ray alone costs the same loop."""
     _write(config["timing_dir"], "timing.json",
            bare_run(config["size"], config["steps"], config["warmup"], config["log_every"]))
+
+
+def dp_bare_run(size: Dict[str, int], steps: int, log_every: int) -> Dict[str, Any]:
+    """The built-in loop's data-parallel step over every process jax.distributed joined, no data path, no loop.
+
+    Mesh {"dp": -1}, the state from `ray_jax_train.lm.state`, `jit_train_step` with its one flat gradient
+    all-reduce; each process puts its own `size["batch"]` rows in every step. With one process it is `bare_run`
+    through the same sharded program. Run by `scale_no_ray.py` (processes of its own) and by `in_worker_dp_loop`
+    (inside JaxTrainer workers), so the two differ only in what surrounds the loop.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.step import jit_train_step, make_optimizer, new_state
+    from ray_jax_train.mesh import make_mesh
+
+    processes, rank = jax.process_count(), jax.process_index()
+    config = LlamaConfig(**model_dict(size))
+    optimizer, _ = make_optimizer(TrainingArguments(**lm_arguments(size, steps, log_every, processes)), steps)
+    mesh = make_mesh({"dp": -1})
+    new_state_fn = lambda params, step: new_state(params, optimizer, step)  # noqa: E731
+    graphdef, _ = state_lib.abstract_params(config)
+    abstract = state_lib.abstract_state(config, mesh, new_state_fn)
+    step_fn = jit_train_step(graphdef, optimizer, 1, jax.tree.map(lambda a: a.sharding, abstract), mesh)
+    state = state_lib.initial_state({}, config, optimizer, mesh, new_state_fn=new_state_fn)
+    rows = make_rows({"id": np.arange(steps * size["batch"] * processes)}, size["vocab"], size["seq"])
+    sharding = NamedSharding(mesh, PartitionSpec("dp"))
+    starts = ((i * processes + rank) * size["batch"] for i in range(steps))
+    batches = ({k: jax.make_array_from_process_local_data(sharding, v[start:start + size["batch"]])
+                for k, v in rows.items()} for start in starts)
+    with jax.set_mesh(mesh):
+        return _timed_steps(step_fn, state, batches, log_every)
+
+
+def in_worker_dp_loop(config: Dict[str, Any]) -> None:
+    """`dp_bare_run` inside JaxTrainer workers (pinned, one CPU each): what Ray alone costs (d)'s 2-worker loop."""
+    import jax
+
+    record = dp_bare_run(config["size"], config["steps"], config["log_every"])
+    if jax.process_index() == 0:
+        _write(config["timing_dir"], "timing.json", record)
 
 
 def lm_arguments(size: Dict[str, int], steps: int, log_every: int, workers: int = 1) -> Dict[str, Any]:

@@ -32,3 +32,17 @@ def test_suite_smoke_writes_json_table_and_chart(ray_cluster, tmp_path):
     table = (tmp_path / "suite.md").read_text()
     assert "| (a) overhead: ours / bare process |" in table and "| ours |" in table
     assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_suite_smoke_splits_scaling_into_machine_ray_and_ours(ray_cluster, tmp_path):
+    suite = _load_suite()
+    # (d)'s split, the 2-process half: the data-parallel step in 2 pinned processes of their own (jax.distributed +
+    # gloo, no Ray) and in 2 pinned JaxTrainer workers; both have to train through a real cross-process all-reduce.
+    report = suite.main(["--smoke", "--variants", "bare2", "in_worker2", "--no-checkpoint", "--out", str(tmp_path)])
+
+    assert set(report["variants"]) == {"bare2", "in_worker2"}
+    for name in ("bare2", "in_worker2"):
+        assert report["variants"][name]["tokens_per_s"]["median"] > 0
+    share = report["summary"]["scale2_ray_share"]
+    assert share["n"] == 1 and share["median"] > 0 and share["target"] is None
+    assert "| (d) split, 2 workers: step in pinned workers / in pinned processes |" in (tmp_path / "suite.md").read_text()
