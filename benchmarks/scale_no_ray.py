@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,7 +43,7 @@ def child(rank: int, processes: int, port: int, steps: int, warmup: int, log_eve
         print(json.dumps({"tokens_per_s": timed_steps * size["batch"] * size["seq"] * processes / seconds}))
 
 
-def run(processes: int, steps: int, warmup: int, independent: bool = False, size: dict = None,
+def run(processes: int, steps: int, warmup: int, independent: bool = False, size: Optional[dict] = None,
         log_every: int = 4) -> float:
     """Tokens/s of `processes` pinned processes (summed over them when `independent`). `size` defaults to the
     suite's full model; `suite.py`'s bare1 / bare2 variants call this too."""

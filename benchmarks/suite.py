@@ -6,9 +6,8 @@
 
 Each round runs every variant once (bare, in-worker, ours, ours-warm-cache, ours-restart with and without the cache,
 ours-devices, torch, ray-jax, ours-step, scale-1, scale-2, bare-1/2, in-worker-1/2, fsdp-2, data; reversed on odd
-rounds), so load drift on a
-shared machine hits all of them alike; the figures are per-round ratios,
-reported as median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
+rounds), so load drift on a shared machine hits all of them alike; the figures are per-round ratios, reported as
+median and min-max over rounds. Steady-state throughput skips the compile and `--warmup` steps.
 Nothing here asserts anything about time. Measurements (targets from the benchmarks issue):
 
     overhead   ours (JaxTrainer, 1 worker, built-in loop) / the same jitted step in a bare process   >= 0.98
@@ -342,7 +341,8 @@ def run_data(ctx: Context, rnd: int) -> Dict[str, float]:
 
 
 RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "bare1": run_bare_pinned(1), "bare2": run_bare_pinned(2),
-           "in_worker1": run_in_worker_dp(1), "in_worker2": run_in_worker_dp(2), "ours": run_ours, "ours_warm": run_ours_warm,
+           "in_worker1": run_in_worker_dp(1), "in_worker2": run_in_worker_dp(2),
+           "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
            "ours_devices": run_ours_devices, "ours_nokeep": run_ours_nokeep, "torch": run_torch,

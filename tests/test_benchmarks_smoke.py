@@ -45,4 +45,5 @@ def test_suite_smoke_splits_scaling_into_machine_ray_and_ours(ray_cluster, tmp_p
         assert report["variants"][name]["tokens_per_s"]["median"] > 0
     share = report["summary"]["scale2_ray_share"]
     assert share["n"] == 1 and share["median"] > 0 and share["target"] is None
-    assert "| (d) split, 2 workers: step in pinned workers / in pinned processes |" in (tmp_path / "suite.md").read_text()
+    table = (tmp_path / "suite.md").read_text()
+    assert "| (d) split, 2 workers: step in pinned workers / in pinned processes |" in table
