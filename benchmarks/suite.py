@@ -102,19 +102,24 @@ def _run_config(ctx: Context, name: str):
 # -- variants: each returns {"tokens_per_s": ..., optional "startup_s": ...} -----------------------------------
 
 
-def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
-    """The jitted step in a process of its own, started with the allocator settings our CPU workers get
+def bare_process(size: Dict[str, int], steps: int, warmup: int, log_every: int) -> Dict[str, Any]:
+    """`V.bare_run`'s timing from a process of its own, started with the allocator settings our CPU workers get
     (`JaxConfig(keep_cpu_memory=True)`), so that (a) compares trainer with loop and not two allocators."""
     from ray_jax_train.allocator import KEEP_CPU_MEMORY_TUNABLES
 
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import suite_variants as V; "
             "print(json.dumps(V.bare_run(*json.loads(sys.argv[2]))))")
     env = dict(os.environ, GLIBC_TUNABLES=KEEP_CPU_MEMORY_TUNABLES, JAX_PLATFORMS="cpu")
-    sizes = json.dumps([ctx.size, ctx.steps, ctx.warmup, ctx.log_every])
+    sizes = json.dumps([size, steps, warmup, log_every])
     done = subprocess.run([sys.executable, "-c", code, HERE, sizes], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the bare process failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return {"tokens_per_s": ctx.throughput(json.loads(done.stdout.strip().splitlines()[-1]))}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_bare(ctx: Context, rnd: int) -> Dict[str, float]:
+    """(a)'s baseline: the jitted step in a process of its own (`bare_process`)."""
+    return {"tokens_per_s": ctx.throughput(bare_process(ctx.size, ctx.steps, ctx.warmup, ctx.log_every))}
 
 
 def run_in_worker(ctx: Context, rnd: int) -> Dict[str, float]:
