@@ -1,6 +1,6 @@
 """The benchmark suite: one command, interleaved variants, JSON + markdown table + PNG chart.
 
-    python benchmarks/suite.py --out bench_out                # full: ~55 min on a 2-core CPU
+    python benchmarks/suite.py --out bench_out                # full: ~40-55 min on a 2-core CPU
     python benchmarks/suite.py --smoke --out bench_out/smoke  # tiny sizes, 1 round: checks that it runs
     python benchmarks/suite.py --gpu ...                      # also MFU on the GPU (benchmarks/mfu_gpu.py)
 
