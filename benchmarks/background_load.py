@@ -21,6 +21,7 @@ cores the load processes used (from /proc) during the step's run; writes nothing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Callable, Dict, Iterator, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -56,44 +57,37 @@ def _cpu_seconds(pid: int) -> float:
         return int(f.read().split()[0]) * 1e-9
 
 
-def _start(shape: List[Dict[str, float]]) -> List[subprocess.Popen]:
+@contextlib.contextmanager
+def _load(shape: List[Dict[str, float]]) -> Iterator[Callable[[], float]]:
+    """Runs `shape`'s load processes on settled cores; yields a function giving the cores they used since."""
+    suite.settle()
     loads = [subprocess.Popen([sys.executable, __file__, "--load", str(p["rate"]), str(p["burst_us"])])
              for p in shape]
-    time.sleep(1.0 if loads else 0)  # past the load processes' interpreter start-up
-    return loads
-
-
-def _stop(loads: List[subprocess.Popen]) -> None:
-    for p in loads:
-        p.kill()
-        p.wait()
+    try:
+        time.sleep(1.0 if loads else 0)  # past the load processes' interpreter start-up
+        cpu0, t0 = sum(_cpu_seconds(p.pid) for p in loads), time.time()
+        yield lambda: (sum(_cpu_seconds(p.pid) for p in loads) - cpu0) / (time.time() - t0)
+    finally:
+        for p in loads:
+            p.kill()
+            p.wait()
 
 
 def idle_cores(shape: List[Dict[str, float]], seconds: float = 5.0) -> float:
     """Cores `shape`'s load processes use on an otherwise idle machine (how Ray's were counted)."""
-    suite.settle()
-    loads = _start(shape)
-    try:
-        cpu0 = sum(_cpu_seconds(p.pid) for p in loads)
+    with _load(shape) as cores:
         time.sleep(seconds)
-        return (sum(_cpu_seconds(p.pid) for p in loads) - cpu0) / seconds
-    finally:
-        _stop(loads)
+        return cores()
 
 
 def run_condition(shape: List[Dict[str, float]], size: Dict[str, int], steps: int, warmup: int,
                   log_every: int) -> Dict[str, float]:
     """The bare step's tokens/s with `shape`'s load processes running, and the cores those used meanwhile."""
-    suite.settle()
-    loads = _start(shape)
-    try:
-        cpu0, t0 = sum(_cpu_seconds(p.pid) for p in loads), time.time()
+    with _load(shape) as cores:
         timing = suite.bare_process(size, steps, warmup, log_every)
-        cores = (sum(_cpu_seconds(p.pid) for p in loads) - cpu0) / (time.time() - t0)
-    finally:
-        _stop(loads)
+        load_cores = cores()
     timed, seconds = V.steady(timing["log_times"], warmup)
-    return {"tokens_per_s": timed * size["batch"] * size["seq"] / seconds, "load_cores": cores}
+    return {"tokens_per_s": timed * size["batch"] * size["seq"] / seconds, "load_cores": load_cores}
 
 
 def shapes(processes: int, rate: float, burst_us: float) -> Dict[str, List[Dict[str, float]]]:
@@ -115,7 +109,7 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
     parser.add_argument("--rate", type=float, default=160.0, help="wakers: wake-ups per second, per process")
     parser.add_argument("--burst-us", type=float, default=0.0,
                         help="wakers: spin per wake-up beyond Python's own wake-up cost, microseconds")
-    parser.add_argument("--smoke", action="store_true", help="the suite's tiny model, for tests")
+    parser.add_argument("--smoke", action="store_true", help="the suite's tiny model: does it still run?")
     parser.add_argument("--load", nargs=2, type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.load:
