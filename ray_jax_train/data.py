@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import queue
 import threading
 import weakref
@@ -92,8 +93,12 @@ def check_batch_size(batch_size: int, mesh, batch_axes: Optional[Sequence[str]] 
 
     axes = batch_axes_of(mesh, batch_axes)
     shards = math.prod(mesh.shape[name] for name in axes)
-    if not isinstance(batch_size, int) or batch_size <= 0 or batch_size % shards:
-        lower = (batch_size // shards) * shards if isinstance(batch_size, int) else 0
+    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"Global batch_size={batch_size!r} ({type(batch_size).__name__}) must be a positive "
+                         f"integer, a multiple of the {shards} batch shards of mesh axes {axes}.")
+    batch_size = int(batch_size)
+    if batch_size % shards:
+        lower = (batch_size // shards) * shards
         hint = f" (e.g. {lower} or {lower + shards})" if lower else f" (e.g. {shards})"
         raise ValueError(
             f"Global batch_size={batch_size} is not divisible by the {shards} batch shards of mesh axes "

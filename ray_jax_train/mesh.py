@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
 # Axes that split the batch, in the order a batch dimension is sharded over them.
@@ -18,11 +19,16 @@ def validate_axes(axes: AxesLike) -> Dict[str, int]:
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
         raise ValueError(f"Mesh axis names must be unique, got {names}.")
-    for name, size in items:
+    for i, (name, size) in enumerate(items):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Mesh axis names must be non-empty strings, got {name!r}.")
-        if not isinstance(size, int) or (size < 1 and size != -1):
+        # numpy integers (from np.prod, a config array) are sizes too; bool is an int to Python but no size.
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool):
+            raise ValueError(f"Mesh axis {name!r} has size {size!r} of type {type(size).__name__}; sizes are "
+                             "integers >= 1, or -1 to infer one.")
+        if size < 1 and size != -1:
             raise ValueError(f"Mesh axis {name!r} has size {size!r}; sizes are integers >= 1, or -1 to infer one.")
+        items[i] = (name, int(size))
     inferred = [name for name, size in items if size == -1]
     if len(inferred) > 1:
         raise ValueError(

@@ -128,6 +128,14 @@ def test_batch_size_must_divide_over_batch_shards():
     assert check_batch_size(8, mesh) == 4
     with pytest.raises(ValueError, match="batch_size=6 is not divisible by the 4 batch shards"):
         check_batch_size(6, mesh)
+    # A batch size or mesh size computed with numpy is an integer, not "8 is not divisible by 4".
+    assert check_batch_size(np.int64(8), mesh) == 4
+    assert rjt.make_mesh({"dp": np.int64(2), "fsdp": np.int32(-1)}).shape == {"dp": 2, "fsdp": 2}
+    for bad in (8.0, True, -4):
+        with pytest.raises(ValueError, match=f"batch_size={bad!r} .* must be a positive integer"):
+            check_batch_size(bad, mesh)
+    with pytest.raises(ValueError, match="size 2.0 of type float"):
+        rjt.make_mesh({"dp": 2.0, "fsdp": 2})
     tp_only = rjt.make_mesh({"model": 4})
     with pytest.raises(ValueError, match="none of the batch axes"):
         check_batch_size(8, tp_only)

@@ -15,7 +15,8 @@ OPTIONAL = ("attention_mask", "segment_ids", "positions")
 
 
 def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_position_embeddings: Optional[int] = None,
-                       data_collator: Optional[Callable] = None, what: str = "dataset_train") -> Tuple[Any, List[str]]:
+                       data_collator: Optional[Callable] = None, what: str = "dataset_train",
+                       vocab_size: Optional[int] = None) -> Tuple[Any, List[str]]:
     """Return (ray dataset of rows with input_ids/targets/loss_mask[/segment_ids/positions], columns to feed).
 
     `source` may be a Ray dataset, a Hugging Face dataset, a list of row dicts or local .jsonl/.parquet/.txt
@@ -37,6 +38,8 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
         if not first:
             raise text.EmptyDatasetError(f"{what}: the dataset has no rows")
         _check_padding_segment(first[0], what)
+        if data_collator is None:  # a collator may reshape or remap rows: what it feeds is then its own affair
+            _check_pretokenised_row(first[0], args.max_sequence_length, vocab_size, what)
         packed = dataset
     else:
         if tokenizer is None:
@@ -75,12 +78,13 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
     train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
-                                           max_position_embeddings=max_position_embeddings, what=names[0])
+                                           max_position_embeddings=max_position_embeddings, what=names[0],
+                                           vocab_size=vocab_size)
     datasets = {"train": train_ds}
     if eval_source is not None:
         datasets["eval"], eval_columns = prepare_lm_dataset(
             eval_source, tokenizer, args, data_collator=data_collator, what=names[1],
-            max_position_embeddings=max_position_embeddings)
+            max_position_embeddings=max_position_embeddings, vocab_size=vocab_size)
         if eval_columns != columns:
             raise ValueError(f"{names[1]} feeds columns {eval_columns}, {names[0]} {columns}; they must match.")
     if materialize or args.total_steps is None or _too_few_cpus(args):
@@ -125,6 +129,31 @@ def _check_padding_segment(row: Dict[str, Any], what: str) -> None:
     if trained_padding.any():
         raise ValueError(f"{what}: a row has loss_mask 1 where segment_ids is 0, which marks padding; number the "
                          "documents of a row from 1 (as ray_jax_train.text.pack_documents does).")
+
+
+def _check_pretokenised_row(row: Dict[str, Any], max_sequence_length: int, vocab_size: Optional[int],
+                            what: str) -> None:
+    """Pre-tokenised rows skip the tokenizer check, so their ids meet the vocabulary here: one id past the
+    embedding table gathers NaN, which attention spreads over its whole row, and the loss goes NaN with no cause
+    in sight. Their length must be the run's `max_sequence_length`, which tokens/s, MFU and the `sp` split use."""
+    import numpy as np
+
+    lengths = {name: int(np.asarray(row[name]).shape[-1]) for name in REQUIRED + OPTIONAL if name in row}
+    wrong = {name: n for name, n in lengths.items() if n != max_sequence_length}
+    if wrong:
+        raise ValueError(f"{what}: pre-tokenised rows have lengths {wrong}, but max_sequence_length is "
+                         f"{max_sequence_length}. Set max_sequence_length to the rows' length, or pack them to "
+                         f"{max_sequence_length} tokens.")
+    if vocab_size is None:
+        return
+    ids = np.asarray(row["input_ids"])
+    targets = np.asarray(row["targets"])[np.asarray(row["loss_mask"]) != 0]  # masked targets are never read
+    for name, values in (("input_ids", ids), ("targets", targets)):
+        if values.size and (values.min() < 0 or values.max() >= vocab_size):
+            raise ValueError(f"{what}: a pre-tokenised row has {name} from {values.min()} to {values.max()}, "
+                             f"outside the model's vocabulary [0, {vocab_size}); JAX would read NaN for them and "
+                             "the loss would go NaN. Tokenize with the model's own tokenizer, or give the model a "
+                             "vocab_size above the largest id.")
 
 
 def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:

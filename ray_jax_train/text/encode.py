@@ -5,11 +5,13 @@ share them, so both paths tokenize identically.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
+import jinja2
 import numpy as np
 
-from .errors import NoChatTemplateError
+from .errors import NoChatTemplateError, TextDataError
 from .tokenizer import check_chat_template
 
 
@@ -37,6 +39,29 @@ def _clean_message(message: Mapping[str, Any]) -> dict:
     return {k: v for k, v in dict(message).items() if v is not None}
 
 
+def _special_token_texts(tokenizer) -> list[str]:
+    texts = set(tokenizer.all_special_tokens)
+    texts.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _check_no_special_token_text(tokenizer, conversations) -> None:
+    """The chat template's output is tokenised as a whole, so "<|eos|>" written inside a message would become the
+    real token: an early stop trained into an answer, or a turn forged from user text. The text path keeps such
+    text literal; here the template's own tokens cannot be told from the content's, so the data is refused."""
+    pattern = re.compile("|".join(re.escape(t) for t in _special_token_texts(tokenizer)) or r"(?!)")
+    for conv in conversations:
+        for i, message in enumerate(conv):
+            content = message.get("content")
+            found = pattern.search(content) if isinstance(content, str) else None
+            if found:
+                raise TextDataError(
+                    f"message {i} (role {message.get('role')!r}) of a conversation contains the text "
+                    f"{found.group()!r}, a special token of the tokenizer; the chat template would read it as the "
+                    f"real token, not as text. Remove or rewrite it in the data, or drop such rows (e.g. "
+                    f"dataset.filter) before training. Content: {content[:120]!r}")
+
+
 def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]],
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Render each conversation with the chat template; label mask = the assistant-token mask.
@@ -50,8 +75,14 @@ def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]]
     if not conversations:
         return docs, masks
     convs = [[_clean_message(m) for m in conv] for conv in conversations]
-    out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+    _check_no_special_token_text(tokenizer, convs)
+    try:
+        out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except jinja2.TemplateError as exc:  # e.g. a tool-call message with no content: say which data, not Jinja
+        raise TextDataError(f"the chat template could not render a conversation of this batch ({exc}); check that "
+                            "every message has the fields the template reads (the default one reads 'role' and a "
+                            "string 'content').") from exc
     for conv, ids, mask in zip(convs, out["input_ids"], out["assistant_masks"]):
         ids = np.asarray(ids, dtype=np.int64)
         mask = np.asarray(mask, dtype=np.int32)

@@ -64,8 +64,15 @@ class TokenizeAndPack:
         if kind is None:
             kind, _ = resolve_column(_batch_columns(batch), self.text_column, self.messages_column)
         if kind == "messages":
-            conversations = [c for c in _column_values(batch, self.messages_column) if c]
-            docs, masks = encode_chats(self.tokenizer, conversations)
+            conversations = _column_values(batch, self.messages_column)
+            docs, masks = encode_chats(self.tokenizer, [c for c in conversations if c])
+            if self.text_column in _batch_columns(batch):
+                # A file that mixes text rows and chat rows reads as one table with both columns, the text rows'
+                # messages null: those rows are text documents (loss on every token), not dropped.
+                texts = [t for t, c in zip(_column_values(batch, self.text_column), conversations) if t and not c]
+                text_docs = encode_texts(self.tokenizer, texts, add_bos=self.add_bos)
+                docs += text_docs
+                masks += [np.ones(len(d), dtype=np.int32) for d in text_docs]
         else:
             texts = [t for t in _column_values(batch, self.text_column) if t]  # empty text: no document
             docs, masks = encode_texts(self.tokenizer, texts, add_bos=self.add_bos), None
@@ -83,7 +90,8 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
 
     Problems visible from the driver (missing column, empty dataset, messages without a usable
     chat template) raise here, before any worker starts.
-    A messages column wins over a text column when both exist. Text documents are
+    A messages column wins over a text column when both exist; a row whose messages are empty then falls back
+    to its text (a file mixing both kinds of rows). Text documents are
     ``[bos] + tokens + eos`` (``add_bos``); chat documents are whatever the chat template renders,
     with loss on assistant tokens only. ``max_position_embeddings`` caps document length (cut
     with ``truncation=True``, else ``SequenceTooLongError`` from the worker); without it nothing
