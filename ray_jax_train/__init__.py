@@ -64,7 +64,14 @@ __all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits"
            "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", *_LAZY]
 
 
+# Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.
+_SUBMODULES = ("checkpoint", "cli", "config", "data", "lm", "mesh", "models", "plot", "run_config", "sharding",
+               "storage", "text", "tune")
+
+
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"ray_jax_train.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ray_jax_train' has no attribute {name!r}")
@@ -74,4 +81,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import ray
@@ -107,6 +108,8 @@ class JaxConfig(BackendConfig):
         bad_env = [k for k in self.env_vars if not isinstance(k, str)]
         if bad_env:
             raise ValueError(f"JaxConfig(env_vars=...) keys must be strings, got {bad_env}.")
+        self.env_vars = {k: _env_value(k, v) for k, v in self.env_vars.items()}
+        self.xla_flags = _xla_flag_list(self.xla_flags)
         if "GLIBC_TUNABLES" in self.env_vars:
             raise ValueError(
                 "JaxConfig(env_vars={'GLIBC_TUNABLES': ...}) would come too late: glibc reads it when the worker "
@@ -176,6 +179,30 @@ class JaxConfig(BackendConfig):
         if self.compilation_cache and self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
         return env
+
+
+def _env_value(key: str, value: Any) -> str:
+    """An environment variable's value as the worker's os.environ needs it (a bool or number there was a TypeError
+    in every worker's set-up, after the driver had accepted it)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    raise ValueError(f"JaxConfig(env_vars={{{key!r}: {value!r}}}): environment values are strings (or a bool or "
+                     f"number, written as one); got a {type(value).__name__}.")
+
+
+def _xla_flag_list(flags: Any) -> List[str]:
+    """XLA flags as a list. One string is taken as a command line (`"--a=1 --b"`): iterated, it was a list of
+    characters, which XLA aborted every worker on while Ray went on retrying the worker group (a hang)."""
+    if isinstance(flags, str):
+        flags = shlex.split(flags)
+    flags = list(flags)
+    bad = [f for f in flags if not isinstance(f, str) or not f.startswith("--")]
+    if bad:
+        raise ValueError(f"JaxConfig(xla_flags=...) takes XLA flags such as '--xla_cpu_enable_fast_math=false'; "
+                         f"{bad} are not flags (each starts with '--').")
+    return flags
 
 
 def _leads_with(jax_platforms: str, platform: str) -> bool:

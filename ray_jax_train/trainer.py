@@ -34,6 +34,14 @@ def check_train_loop(fn: Callable) -> None:
             f"{required}; it must take none or one (the train_loop_config dict). Put everything else in "
             "train_loop_config, or give the extra arguments defaults / bind them with functools.partial."
         )
+    keyword_only = [p.name for p in inspect.signature(fn).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty]
+    if keyword_only:
+        raise ValueError(
+            f"train_loop_per_worker {getattr(fn, '__name__', fn)!r} has required keyword-only arguments "
+            f"{keyword_only}, which Ray never passes (it calls fn() or fn(config)). Give them defaults, bind them "
+            "with functools.partial, or read them from train_loop_config."
+        )
 
 
 class JaxTrainer(DataParallelTrainer):
@@ -248,7 +256,8 @@ def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
         raise ValueError(
             f"The {num_workers} training workers reserve {needed:g} CPUs, all {total:g} of the cluster's, so Ray "
             "Data would have no CPU to read the datasets and training would hang. Give Ray more (logical) CPUs, "
-            "e.g. ray.init(num_cpus=...) or `ray start --num-cpus ...`, or fewer CPUs per worker with "
+            "e.g. rjt.init_ray() or ray.init(num_cpus=...) before the first Ray Data call (making a dataset "
+            "starts Ray with one logical CPU per core), or `ray start --num-cpus ...`; or fewer CPUs per worker with "
             "ScalingConfig(resources_per_worker={'CPU': ...}). Set RAY_JAX_TRAIN_SKIP_CPU_CHECK=1 if an "
             "autoscaler will add nodes."
         )

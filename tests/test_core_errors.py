@@ -50,6 +50,17 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.2500"
     assert env["JAX_DEBUG_NANS"] == "1" and env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cc"
+    # One string is a command line, not a list of characters (XLA aborted every worker on "- - x l a ...", and Ray
+    # retried the group forever); values that are not strings are written as strings, not a TypeError in set-up.
+    one = rjt.JaxConfig(xla_flags="--xla_cpu_enable_fast_math=false  --xla_cpu_use_thunk_runtime=true",
+                        env_vars={"JAX_ENABLE_X64": True, "JAX_TRACEBACK_FILTERING_LIMIT": 3})
+    assert one.xla_flags == ["--xla_cpu_enable_fast_math=false", "--xla_cpu_use_thunk_runtime=true"]
+    assert one.worker_env()["XLA_FLAGS"].endswith("--xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true")
+    assert one.worker_env()["JAX_ENABLE_X64"] == "true" and one.worker_env()["JAX_TRACEBACK_FILTERING_LIMIT"] == "3"
+    with pytest.raises(ValueError, match=r"\['xla_cpu_enable_fast_math=false'\] are not flags"):
+        rjt.JaxConfig(xla_flags=["xla_cpu_enable_fast_math=false"])
+    with pytest.raises(ValueError, match="env_vars=.*'PATHS': \\['a'\\].*got a list"):
+        rjt.JaxConfig(env_vars={"PATHS": ["a"]})
 
 
 def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
@@ -81,6 +92,27 @@ def test_train_loop_with_two_arguments_is_rejected():
 
     with pytest.raises(ValueError, match="takes 2 required arguments"):
         rjt.JaxTrainer(two)
+
+    def keyword(config, *, extra):
+        pass
+
+    with pytest.raises(ValueError, match=r"required keyword-only arguments \['extra'\]"):
+        rjt.JaxTrainer(keyword)
+
+    def defaulted(config, *, extra=1):
+        pass
+
+    rjt.JaxTrainer(defaulted)
+
+
+def test_subpackages_are_attributes_of_the_package():
+    import subprocess
+    import sys
+
+    # A fresh interpreter: in this one the tests have imported the subpackages already.
+    code = "import ray_jax_train as r; print(r.tune.run.__name__, r.models.__name__, r.text.pack_documents.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["run", "ray_jax_train.models", "pack_documents"]
 
 
 def test_omitted_scaling_config_means_one_worker():
