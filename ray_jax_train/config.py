@@ -144,6 +144,20 @@ class LlamaConfig(_Base):
     eos_token_id: Optional[Union[int, list[int]]] = None
     pad_token_id: Optional[int] = None
 
+    def replace(self, **changes: Any) -> "LlamaConfig":
+        """A copy with ``changes``; fields that were derived from the changed ones are derived again (kept as they
+        were, ``replace(hidden_size=...)`` left a stale head_dim, and ``replace(num_attention_heads=...)`` turned
+        multi-head attention into grouped-query)."""
+        data = self.model_dump()
+        if ("head_dim" not in changes and {"hidden_size", "num_attention_heads"} & set(changes)
+                and self.head_dim * self.num_attention_heads == self.hidden_size):
+            del data["head_dim"]
+        if ("num_key_value_heads" not in changes and "num_attention_heads" in changes
+                and self.num_key_value_heads == self.num_attention_heads):
+            del data["num_key_value_heads"]
+        data.update(changes)
+        return type(self).model_validate(data)
+
     @model_validator(mode="before")
     @classmethod
     def _derive(cls, data: Any) -> Any:
@@ -551,6 +565,11 @@ class ModelScaling(_Base):
                 raise ValueError(
                     f"base field {k!r} is also set as a scaling or fixed variable; set it in one place only"
                 )
+        if "num_key_value_heads" in self.scaling_variables and "num_attention_heads" not in self.scaling_variables:
+            # kv heads growing past fixed query heads: grouped-query at index 1, multi-head at some larger index,
+            # then refused; the architecture would depend on the size.
+            raise ValueError("num_key_value_heads is a scaling variable but num_attention_heads is not; scale both "
+                             "(the grouping stays the same at every size) or put num_key_value_heads in base")
         self.create_config(1)  # surfaces inconsistent head counts now, not at train time
         return self
 

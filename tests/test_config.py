@@ -23,6 +23,19 @@ def test_derived_fields_and_dtypes():
                                    "high_freq_factor": 4.0}))
 
 
+def test_replace_derives_derived_fields_again():
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4)
+    wider = cfg.replace(hidden_size=128)
+    assert wider.head_dim == 32  # was 16: q_proj then gave 64 features for a 128-wide model
+    more_heads = cfg.replace(num_attention_heads=8)
+    assert (more_heads.num_key_value_heads, more_heads.head_dim) == (8, 8)  # still multi-head, not GQA
+    gqa = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert gqa.replace(num_attention_heads=8).num_key_value_heads == 2  # a chosen grouping is kept
+    fixed = LlamaConfig(hidden_size=60, num_attention_heads=4, head_dim=32)
+    assert fixed.replace(hidden_size=120).head_dim == 32  # an explicit head_dim is not derived: kept
+    assert cfg.replace(hidden_size=128, head_dim=8).head_dim == 8
+
+
 def test_hidden_not_divisible_by_heads():
     with pytest.raises(ValidationError, match=r"hidden_size=100 is not divisible by num_attention_heads=8.*head_dim"):
         LlamaConfig(hidden_size=100, num_attention_heads=8)
@@ -131,6 +144,9 @@ def test_scaling_rejects_inconsistent_variables():
     with pytest.raises(ValidationError, match="num_key_value_heads=2 does not divide num_attention_heads=3"):
         ModelScaling(scaling_variables={"hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 3,
                                         "num_key_value_heads": 2})
+    # kv heads scaled over fixed query heads: GQA at index 1, MHA at 2, refused at 3.
+    with pytest.raises(ValidationError, match="num_key_value_heads is a scaling variable but num_attention_heads"):
+        ModelScaling(base={"num_attention_heads": 4}, scaling_variables={"hidden_size": 64, "num_key_value_heads": 2})
     with pytest.raises(ValidationError, match="'rms_norm_eps' cannot be scaled"):
         ModelScaling(scaling_variables={**DEFAULT_SCALING_VARIABLES, "rms_norm_eps": 1})
     with pytest.raises(ValidationError, match="'dtype' is also set"):
