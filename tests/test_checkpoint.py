@@ -333,6 +333,78 @@ def test_sigterm_kept_training_saves_once_and_is_never_forced_out(monkeypatch):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_sigterm_is_seen_when_every_check_falls_on_a_periodic_save(monkeypatch):
+    """save_every=5 divides preemption_check_every=10: each check step is also a periodic save step, where the
+    check used to be skipped, so a SIGTERM was never saved and waited for. (In this process, as the test above.)"""
+    import signal
+
+    from ray_jax_train.checkpoint import JaxCheckpointer, signals
+
+    previous = signal.getsignal(signal.SIGTERM)
+    for exit_after in (True, False):
+        released, saved = [], []
+        monkeypatch.setattr(signals, "_sigterm", signals._SigtermState())
+        monkeypatch.setattr(signals, "release_sigterm", lambda: released.append(time.time()))
+        try:
+            ckpt = JaxCheckpointer(save_every=5, exit_after_sigterm_save=exit_after, sigterm_grace_s=60)
+            ckpt.save = lambda step, state, wait=False, **kwargs: saved.append((step, wait))
+            for step in range(1, 8):
+                ckpt.maybe_save(step, None)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not signals.sigterm_received() and time.time() < deadline:
+                time.sleep(0.01)
+            for step in range(8, 16):
+                ckpt.maybe_save(step, None)
+            # Step 10 is the preemption save (waited for until Ray registered it), not a plain periodic one.
+            assert saved == [(5, False), (10, True), (15, False)], saved
+            assert len(released) == (1 if exit_after else 0)
+            assert signals.sigterm_received() == exit_after  # kept training: handled, the grace timer is off
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def rollback_loop(config):
+    """Saves, a failed save, a rollback to an earlier checkpoint given as a file:// URI, and saves after it."""
+    import jax.numpy as jnp
+
+    from ray_jax_train.checkpoint import JaxCheckpointer, abstract_state
+
+    class Unsavable:
+        pass
+
+    ckpt = JaxCheckpointer(handle_preemption=False)
+    state = {"w": jnp.arange(4.0)}
+    target = abstract_state(state)
+    five = ckpt.save(5, state)
+    ten = ckpt.save(10, {"w": state["w"] + 10}, wait=True)
+    try:
+        ckpt.save(11, {"w": state["w"], "bad": Unsavable()})
+        raise AssertionError("orbax saved an object it has no handler for")
+    except ValueError:
+        pass  # refused; the checkpointer must stay usable, and no checksums are written for it
+    back = ckpt.restore(target, "file://" + five)
+    assert back.step == 5 and back.state["w"].tolist() == [0, 1, 2, 3], back
+    # After the rollback step 10 is saved again: a new checkpoint, not "already checkpointed" (the old state)
+    # nor a collision with the old step-10 directory.
+    again = ckpt.save(10, {"w": state["w"] + 100}, wait=True)
+    assert again != ten
+    assert ckpt.restore(target, again).state["w"].tolist() == [100, 101, 102, 103]
+    assert ckpt.restore(target, ten).state["w"].tolist() == [10, 11, 12, 13]  # its checksums intact
+    ckpt.close()
+
+
+def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp_path):
+    trainer = rjt.JaxTrainer(rollback_loop, run_config=RunConfig(name="rollback", storage_path=str(tmp_path)))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    import re
+
+    names = os.listdir(tmp_path / "rollback")
+    saved = sorted(m.group(1) for m in map(re.compile(r"checkpoint_(\d{9})_[0-9a-f]{8}$").match, names) if m)
+    assert saved == ["000000005", "000000010", "000000010"], names  # both step-10 saves; step 11 never committed
+
+
 def test_resumable_batches_same_global_batches_on_any_mesh():
     import jax
 

@@ -186,7 +186,7 @@ def _location_of(checkpoint) -> _Location:
 
     text = str(checkpoint)
     fs, path = storage.filesystem(text)
-    return _Location(fs, path, text if storage.is_uri(text) else path)
+    return _Location(fs, path, _uri_for(fs, path))  # file:///x is /x to orbax, which read "file://" as a key
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -566,13 +566,15 @@ class JaxCheckpointer:
         jax.block_until_ready(state)
         with self._lock:
             self._finish_pending()
-            self._pending = pending
             self._checkpointer().save(
                 location.uri,
                 args=ocp.args.Composite(
                     **{STATE_ITEM: ocp.args.PyTreeSave(state), META_ITEM: ocp.args.JsonSave(meta)}
                 ),
             )
+            # Only a save orbax took is in flight: one it refused, left pending, made every later save, wait and
+            # close fail, and wrote its checksums over a checkpoint already there under its name.
+            self._pending = pending
         self._last_saved_step = step
         ray.train.report(
             metrics,
@@ -587,11 +589,17 @@ class JaxCheckpointer:
         return location.uri
 
     def should_save(self, step: int) -> Tuple[bool, str]:
-        """(save now?, why): periodic, or a preemption notice/SIGTERM agreed across workers."""
+        """(save now?, why): a preemption notice/SIGTERM agreed across workers, or periodic.
+
+        The preemption check runs on its steps even when they are periodic save steps too: skipped there, a
+        `save_every` that divides `preemption_check_every` never saw a SIGTERM, and the grace timer killed the
+        worker at a random moment. A periodic save on such a step is then the preemption save (waited for)."""
+        if self.handle_preemption and step % self.preemption_check_every == 0:
+            save, why = self._preemption_requested()
+            if save:
+                return save, why
         if self.save_every and step % self.save_every == 0:
             return True, "periodic"
-        if self.handle_preemption and step % self.preemption_check_every == 0:
-            return self._preemption_requested()
         return False, ""
 
     def _preemption_requested(self) -> Tuple[bool, str]:
@@ -679,6 +687,16 @@ class JaxCheckpointer:
         checkpoint directories Ray never registered (left by a worker that died mid-save). `partial=True` reads
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
+        restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
+        if restored is not None and self._last_saved_step is not None:
+            # A mid-run rollback: the steps after it are saved again, as new checkpoints. With the old name token a
+            # step saved before was "already checkpointed" (its old state kept) or collided with its directory.
+            with self._lock:
+                self._finish_pending()
+            self._last_saved_step, self._token = None, None
+        return restored
+
+    def _restore(self, target, checkpoint, *, fallback: bool, cleanup: bool, partial: bool) -> Optional[Restored]:
         import ray.train
 
         if checkpoint is not None:
