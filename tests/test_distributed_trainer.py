@@ -79,7 +79,7 @@ def scratch_run(ray_cluster, tokenizer_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scratch")
     trainer = make_trainer(tokenizer_dir, record_dir=tmp / "record")
     args = TrainingArguments(total_steps=40, batch_size=8, max_sequence_length=SEQ, learning_rate=1e-2, warmup_steps=4,
-                             log_steps=5, eval_steps=20, max_eval_steps=2, save_steps=40, num_workers=2,
+                             log_steps=5, eval_steps=20, max_eval_steps=2, save_steps=25, num_workers=2,
                              output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False,
                              profile_start_step=3, profile_num_steps=2,
                              mesh={"dp": -1})  # the CLI's default; fsdp across workers: tests/test_lm_loop.py
@@ -105,8 +105,14 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [20, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert all(r["grad_norm"] > 0 and r["learning_rate"] > 0 and r["perplexity"] > 1 for r in records if "loss" in r)
-    # Outputs: a Ray-registered checkpoint, and an HF model directory with the tokenizer.
+    # Outputs: Ray-registered checkpoints, and an HF model directory with the tokenizer.
     assert result.checkpoint is not None
+    # Each checkpoint carries the latest of every metric: step 25's has step 20's eval_loss (without it, Ray ranked
+    # it first under checkpoint_score_attribute="eval_loss" and kept it over the checkpoints that had one).
+    saved = {m["step"]: m for _, m in result.best_checkpoints}
+    assert sorted(saved) == [25, 40], saved
+    assert saved[25]["eval_loss"] == evals[0]["eval_loss"] and saved[40]["eval_loss"] == evals[1]["eval_loss"]
+    assert saved[25]["loss"] == next(r["loss"] for r in records if r["step"] == 25)
     final = os.path.join(result.path, "final_model")
     assert os.path.isfile(os.path.join(final, "model.safetensors"))
     assert os.path.isfile(os.path.join(final, "tokenizer.json"))

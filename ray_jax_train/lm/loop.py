@@ -193,7 +193,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     if due_eval:
                         record.update(evaluate())
                         throughput.start()  # eval time is not training throughput
-                    last = {k: v for k, v in record.items() if k not in STARTUP_KEYS}  # re-sent with checkpoints
+                    # Re-sent with checkpoints: the latest of each metric, eval_* kept from the last eval, since Ray
+                    # ranks a checkpoint missing checkpoint_score_attribute first and would keep it over scored ones.
+                    last.update({k: v for k, v in record.items() if k not in STARTUP_KEYS})
                     progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
                     if metrics_file is not None:
                         metrics_file.append(json.dumps(record))
