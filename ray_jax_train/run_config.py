@@ -218,6 +218,10 @@ class ExperimentConfig(_Section):
                 args.check_devices(args.num_devices())
             except ValueError as exc:
                 raise ConfigError(f"training/scaling: {exc}") from None
+            try:  # the vocabulary may still change (a tokenizer trained at run time): fit checks again then
+                args.check_model_on_mesh(model, args.num_devices())
+            except ValueError as exc:
+                raise ConfigError(f"model/scaling: {exc}") from None
         if args.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
                               f"model.max_position_embeddings={model.max_position_embeddings}")
@@ -252,6 +256,7 @@ class ExperimentConfig(_Section):
                 weights_dir_kind(os.path.abspath(self.model.init_from))
             except FileNotFoundError as exc:
                 raise ConfigError(f"model.init_from: {exc}") from None
+            check_hf_init_dir(self, model)
         if self.tune is not None:
             for key, spec in self.tune.param_space.items():
                 try:
@@ -314,16 +319,36 @@ class ExperimentConfig(_Section):
         return {k: v for k, v in self.model.model_dump().items()
                 if k not in ("type", "init_from") and v is not None}
 
+    def hf_init_dir(self) -> Optional[str]:
+        """`model.init_from` when it is a local Hugging Face model directory."""
+        from ray_jax_train.lm.state import is_hf_model_dir
+
+        path = self.model.init_from
+        if path is None or "://" in path or not os.path.isdir(path) or not is_hf_model_dir(path):
+            return None
+        return os.path.abspath(path)
+
     def llama_config(self, tokenizer=None) -> LlamaConfig:
-        """The model config; vocab size and special token ids come from the tokenizer unless set."""
+        """The model config; vocab size and special token ids come from the tokenizer unless set. Starting from a
+        Hugging Face directory, fields the model section leaves out come from its config.json: that model is
+        what is fine-tuned (LlamaConfig's defaults would be another model, 4096 wide, its weights refused)."""
         values = self.model_fields_set_values()
+        model_type = self.model.type
+        hf_dir = self.hf_init_dir()
+        if hf_dir is not None:
+            from ray_jax_train.models import load_hf_config
+
+            hf = load_hf_config(hf_dir).model_dump()
+            if "type" not in self.model.model_fields_set:
+                model_type = hf["model_type"]
+            values = {**{k: v for k, v in hf.items() if v is not None and k != "model_type"}, **values}
         values.setdefault("vocab_size", len(tokenizer) if tokenizer is not None else self.tokenizer.vocab_size)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if tokenizer is not None and getattr(tokenizer, name, None) is not None:
                 values.setdefault(name, getattr(tokenizer, name))
         values.setdefault("max_position_embeddings", max(2048, int(self.training.get("max_sequence_length", 512))))
         try:
-            return LlamaConfig(model_type=self.model.type, **values)
+            return LlamaConfig(model_type=model_type, **values)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
 
@@ -618,8 +643,21 @@ def format_validation_error(exc: ValidationError, *, prefix: Tuple[str, ...] = (
 
 
 def dump(config: ExperimentConfig) -> str:
-    """The effective config as YAML (defaults filled in), as `config show` prints it."""
+    """The effective config as YAML (defaults filled in), as `config show` prints it.
+
+    Model fields the tokenizer decides at run time (vocab_size and the special token ids, unless set) stay null;
+    everything else is the value the run will use, so the output reads back as the same run."""
     data = config.model_dump(mode="json")
+    args = config.training_arguments().model_dump(mode="json")
+    data["training"] = {k: v for k, v in args.items() if k not in MOVED_TRAINING_KEYS}
+    from_tokenizer = {"vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"}
+    if config.hf_init_dir() is None:
+        from_tokenizer -= set(config.model_fields_set_values())
+    else:
+        from_tokenizer = set()  # the directory's config.json holds them
+    model = config.llama_config().model_dump(mode="json")
+    data["model"] = {"type": model.pop("model_type"), "init_from": config.model.init_from,
+                     **{k: (None if k in from_tokenizer else v) for k, v in model.items()}}
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
@@ -641,6 +679,20 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
     return texts
 
 
+def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:
+    """Starting weights from a Hugging Face directory must fit the model the config builds (shapes only)."""
+    from ray_jax_train.lm.state import check_hf_dir_fits
+
+    hf_dir = config.hf_init_dir()
+    if hf_dir is None:
+        return
+    try:
+        check_hf_dir_fits(hf_dir, model_config, "Set the model section's sizes to those in its config.json, or "
+                                                "leave them out: they are then taken from there.")
+    except ValueError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from None
+
+
 def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):
     """The configured tokenizer, or one trained now on the data and saved in `directory` (offline).
 
@@ -653,6 +705,10 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
+    hf_dir = config.hf_init_dir()
+    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
+                                  for name in ("tokenizer.json", "tokenizer_config.json")):
+        return ensure_pad_token(load_tokenizer(hf_dir))  # the weights' own ids: a tokenizer trained now has others
     if reuse and exists(join(directory, "tokenizer.json")):
         logging.getLogger(__name__).warning(
             "Reusing this run's tokenizer %s (training.resume_if_possible); a new run.name trains a new one.",
@@ -759,8 +815,15 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     model_config = config.llama_config(tokenizer)
     if args.mesh is None:
         args.mesh = {"dp": -1}
-    # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check).
+    # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check); the model is only
+    # now complete (its vocabulary is the tokenizer's), so it meets the mesh and its starting weights here.
+    if args.num_devices() is not None:
+        try:
+            args.check_model_on_mesh(model_config, args.num_devices())
+        except ValueError as exc:
+            raise ConfigError(f"model/scaling: {exc}") from None
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)
+    check_hf_init_dir(config, model_config)
 
     train_source, eval_source = _datasets(config)
     datasets, columns, total_steps = prepare_lm_datasets(

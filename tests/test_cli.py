@@ -52,6 +52,10 @@ def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
     shown_path = tmp_path / "shown.yaml"
     shown_path.write_text(out)
     assert run(["config", "validate", str(shown_path)], capsys)[0] == 0
+    # Defaults the file leaves out are shown with the values the run will use; the vocabulary is the tokenizer's.
+    assert shown["training"]["weight_decay"] == 0.01 and shown["training"]["scheduler"] == "cosine"
+    assert shown["model"]["rope_theta"] == 10000.0 and shown["model"]["head_dim"] == 16
+    assert shown["model"]["vocab_size"] is None and "num_workers" not in shown["training"]
 
 
 BAD = [
@@ -275,6 +279,29 @@ def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ig
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ConfigError, match="the file is empty"):  # Llama's default sizes: 4096 wide, 32 layers
         read_file(str(tmp_path / "empty.yaml"))
+
+
+def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_path):
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.models import create_model, save_pretrained
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    tiny = yaml.safe_load(open(TINY))
+    # Before, these passed `config validate` and failed in the workers after start-up.
+    with pytest.raises(ConfigError, match="model/scaling: Mesh axis 'tp'=2 cannot split the model's 1 key/value heads"):
+        parse_config({**tiny, "scaling": {"cpu_devices_per_worker": 2, "mesh": {"dp": 1, "tp": 2}}})
+    with pytest.raises(ConfigError, match="model/scaling: intermediate_size=63 is not divisible by mesh axis 'tp'=2"):
+        parse_config({**tiny, "model": {**tiny["model"], "num_key_value_heads": 2, "intermediate_size": 63},
+                      "scaling": {"cpu_devices_per_worker": 2, "mesh": {"dp": 1, "tp": 2}}})
+    hf_dir = tmp_path / "hf"
+    hf = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64)
+    save_pretrained(create_model(hf), hf_dir)
+    with pytest.raises(ConfigError, match=r"model.init_from: .*\(300, 64\) != \(300, 32\).*leave them out"):
+        parse_config({**tiny, "model": {**tiny["model"], "init_from": str(hf_dir)}})
+    # Sizes left out come from its config.json: that model is the one fine-tuned.
+    config = parse_config({**tiny, "model": {"init_from": str(hf_dir), "remat": True}})
+    assert config.llama_config() == hf.replace(remat=True)
 
 
 def test_set_reaches_a_dotted_search_key():

@@ -144,6 +144,14 @@ def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenize
         out = trainer.train(1, one_step_args(tmp_path, name), packed_rows())
         assert out.error is None
         assert_same_params(tmp_path / name / "initial_params.npz", trained)
+    final_model = os.path.join(result.path, "final_model")
+    # Sizes the HF directory was not saved with fail on the driver, naming the fix (they failed in the workers).
+    with pytest.raises(ValueError, match=r"Hugging Face model in .* \(300, 32\) != \(300, 64\).*scaling_index"):
+        make_trainer(tokenizer_dir, checkpoint_path=final_model).train(2, one_step_args(tmp_path, "x2"), packed_rows())
+    # Given as the model path with no scaling variables, index 1 is the directory's own model, not the defaults.
+    own = RayDistributedTrainer(final_model, model_type="llama").create_config(1)
+    expected = make_trainer(tokenizer_dir).create_config(1)
+    assert [getattr(own, k) for k in SCALING] == [getattr(expected, k) for k in SCALING]
 
 
 def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tmp_path):

@@ -179,6 +179,18 @@ class TrainingArguments(BaseModel):
                     f"Use a multiple of {shards}."
                 )
 
+    def check_model_on_mesh(self, model_config, num_devices: int) -> None:
+        """On the driver, the worker's check of the model against the mesh (tp and kv heads, every parameter
+        dimension against its mesh axes), on an abstract mesh of the sizes the workers will have."""
+        from jax.sharding import AbstractMesh
+
+        from ray_jax_train.mesh import resolve_axes
+        from ray_jax_train.sharding import check_llama_parallelism
+
+        axes = resolve_axes(self.mesh or {"dp": -1}, num_devices)
+        mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
+        check_llama_parallelism(model_config, mesh, batch_size=self.micro_batch_size)
+
     def num_devices(self) -> Optional[int]:
         """Devices the run will have, when the driver can know it (CPU workers)."""
         return None if self.use_gpu else self.num_workers * self.num_cpu_devices

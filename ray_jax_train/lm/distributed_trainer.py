@@ -132,6 +132,11 @@ class RayDistributedTrainer:
             hf = load_hf_config(path).model_dump()
             for key in ("max_position_embeddings", "initializer_range"):
                 fixed.setdefault(key, hf[key])
+            if scaling_vars is None:
+                # Index 1 is the directory's own model: with the default sizes instead, fine-tuning it
+                # (checkpoint_path=the same directory) failed in the workers on every weight's shape.
+                scaling_vars = {k: hf[k] for k in DEFAULT_SCALING_VARIABLES}
+                scaled = set(scaling_vars)
             width_scaled = bool(scaled & {"hidden_size", "num_attention_heads"})
             base = {k: v for k, v in hf.items() if v is not None and k not in scaled and k not in _SCALING_FIELDS
                     and k not in ("model_type", "initializer_range") and not (k == "head_dim" and width_scaled)}
@@ -248,7 +253,12 @@ class RayDistributedTrainer:
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
         if args.num_devices() is not None:
             args.check_devices(args.num_devices())
+            args.check_model_on_mesh(config, args.num_devices())
         init = state_lib.init_spec(state=state, model=model, checkpoint_path=self.checkpoint_path)
+        if init["source"] == "hf":
+            state_lib.check_hf_dir_fits(init["path"], config, "Give the trainer the sizes the directory was saved "
+                                        "with (config_scaling_variables, config_variables, scaling_index), or leave "
+                                        "them out and pass the directory as its first argument.")
         if init["source"] in ("state", "model"):
             import ray
 

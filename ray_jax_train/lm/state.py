@@ -132,7 +132,8 @@ def params_to_numpy(model_or_params) -> Dict[str, Any]:
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), model_or_params)
 
 
-def check_params_match(params, expected, what: str) -> None:
+def check_params_match(params, expected, what: str,
+                       fix: str = "Pass the scaling_index (or config) the state was made with.") -> None:
     """Raise a readable error when `params` do not have the model's structure and shapes."""
     got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
     want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
@@ -146,8 +147,7 @@ def check_params_match(params, expected, what: str) -> None:
             parts.append(f"unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
         if wrong:
             parts.append("shape " + ", ".join(f"{k}: {tuple(got[k])} != {want[k]}" for k in wrong[:4]))
-        raise ValueError(f"The {what} does not fit the model config: {'; '.join(parts)}. Pass the scaling_index "
-                         "(or config) the state was made with.")
+        raise ValueError(f"The {what} does not fit the model config: {'; '.join(parts)}. {fix}")
 
 
 def cast_params(params, config: LlamaConfig):
@@ -164,6 +164,15 @@ def cast_params(params, config: LlamaConfig):
 def is_hf_model_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and any(
         name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str) -> None:
+    """On the driver: the HF directory's config.json against the model to be built, shapes only. In the worker the
+    same mismatch came after Ray's start, tokenising and the train step's compile (of a model that may be huge)."""
+    from ray_jax_train.models import load_hf_config
+
+    theirs = load_hf_config(path)
+    check_params_match(abstract_params(theirs)[1], abstract_params(config)[1], f"Hugging Face model in {path}", fix)
 
 
 def load_hf_params(path: str, config: LlamaConfig) -> Dict[str, Any]:
