@@ -228,6 +228,20 @@ def test_config_round_trip_scaling_and_samples(tokenizer_dir, tmp_path):
     trainer.save_config(tmp_path / "trainer.json")
     again = RayDistributedTrainer.from_config(tmp_path / "trainer.json")
     assert again.create_config(3) == trainer.create_config(3)
+    # A tokenizer given as an object, and an EasyDeL enum: saved too (the vocabulary fell back to 32000, the enum
+    # made save_config fail).
+    import enum
+
+    class Checkpointing(enum.Enum):
+        NOTHING_SAVEABLE = "nothing_saveable"
+
+    by_object = RayDistributedTrainer(model_type="llama", tokenizer=trainer.load_processor(),
+                                      config_scaling_variables=SCALING,
+                                      config_variables={**FIXED, "gradient_checkpointing": Checkpointing.NOTHING_SAVEABLE})
+    by_object.save_config(tmp_path / "by_object.json")
+    rebuilt = RayDistributedTrainer.from_config(tmp_path / "by_object.json")
+    assert rebuilt.create_config(2) == by_object.create_config(2) and rebuilt.create_config(1).remat
+    assert rebuilt.create_config(1).vocab_size == len(trainer.load_processor())
 
     sample = trainer.process_sample_data("alpha beta gamma", max_length=16)
     assert sample["input_ids"].shape == (16,) and sample["attention_mask"][-1] == 1  # left padded

@@ -5,6 +5,7 @@ starting weights' shapes), then hands one `JaxTrainer` the packed datasets and `
 """
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -40,8 +41,12 @@ def _json_safe(variables: Dict[str, Any]) -> Dict[str, Any]:
     for key, value in variables.items():
         if key in ("dtype", "param_dtype"):
             value = canonical_dtype(value, key)
+        elif isinstance(value, enum.Enum):  # EasyDeL's gradient_checkpointing enums
+            value = value.value
         elif isinstance(value, tuple):
             value = list(value)
+        elif hasattr(value, "model_dump"):
+            value = value.model_dump(mode="json")
         out[key] = value
     return out
 
@@ -162,14 +167,27 @@ class RayDistributedTrainer:
         return self.scaling.create_model(config, scaling_index=scaling_index, lazy=lazy)
 
     def save_config(self, path) -> None:
-        """Write the constructor arguments as JSON, so `from_config(path)` rebuilds this trainer."""
+        """Write the constructor arguments as JSON, so `from_config(path)` rebuilds this trainer.
+
+        Local paths are written absolute (read from another directory, relative ones pointed elsewhere), and a
+        tokenizer given as an object is saved beside the JSON (`<path>.tokenizer/`): without it the rebuilt trainer
+        had another vocabulary and no pad or eos id."""
+        def located(value):
+            return os.path.abspath(value) if value is not None and os.path.exists(value) else value
+
+        tokenizer = self._tokenizer
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            saved = os.fspath(path) + ".tokenizer"
+            tokenizer.save_pretrained(saved)
+            tokenizer = saved
         data = {
-            "pretrained_model_name_or_path": self.pretrained_model_name_or_path,
+            "pretrained_model_name_or_path": located(self.pretrained_model_name_or_path),
             "model_type": self.model_type,
             "model_task": self.model_task,
             "config_scaling_variables": self.config_scaling_variables,
             "config_variables": _json_safe(self.config_variables),
-            "checkpoint_path": self.checkpoint_path,
+            "checkpoint_path": located(self.checkpoint_path),
+            "tokenizer": located(os.fspath(tokenizer) if tokenizer is not None else None),
         }
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
