@@ -238,6 +238,9 @@ class ExperimentConfig(_Section):
                               "cannot be; fix the model section")
         if self.tune is not None:
             self._check_tune_metric()
+            if args.total_steps is None and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None:
+                raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is "
+                                  "not set; ASHA needs to know how long a trial runs")
         if not self.scaling.worker_resources():
             raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")

@@ -165,9 +165,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                                    callbacks=[TuneReportCallback()], quiet=quiet)
         trainer.fit()
 
-    args = base.training_arguments()
-    if args.total_steps is None and tune_cfg.scheduler.type == "asha" and tune_cfg.scheduler.max_t is None:
-        raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is not set")
+    args = base.training_arguments()  # ExperimentConfig.check has refused ASHA without max_t or total_steps
     tuner = tune.Tuner(
         tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus}),
         param_space=search_space(tune_cfg.param_space),

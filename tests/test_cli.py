@@ -276,6 +276,10 @@ def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ig
         parse_config({"scaling": {"gpus_per_worker": 0.5}})
     with pytest.raises(ConfigError, match="an empty list"):  # it trained on the stdlib corpus
         parse_config({"data": {"source": []}})
+    tune_tiny = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    by_epochs = {**tune_tiny, "training": {**tune_tiny["training"], "total_steps": None, "num_epochs": 1}}
+    with pytest.raises(ConfigError, match="tune.scheduler.max_t: set it"):  # found once Ray and a tokenizer were up
+        parse_config(by_epochs)
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ConfigError, match="the file is empty"):  # Llama's default sizes: 4096 wide, 32 layers
         read_file(str(tmp_path / "empty.yaml"))
