@@ -405,6 +405,28 @@ def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp
     assert saved == ["000000005", "000000010", "000000010"], names  # both step-10 saves; step 11 never committed
 
 
+def agreement_loop(config):
+    """Many rounds of the checkpointer's host-side agreement, as a long run's preemption checks make them."""
+    import jax
+    from jax._src import distributed
+
+    from ray_jax_train.checkpoint import _sync
+
+    for i in range(200):
+        assert _sync.allgather("check", str(i % 2)) == [str(i % 2)] * 2
+        if i % 50 == 0:
+            assert _sync.broadcast("token", f"t{i}") == f"t{i}"
+    _sync.allgather("done", "")
+    left = distributed.global_state.client.key_value_dir_get("ray_jax_train/ckpt/")
+    # Each process keeps only its key of the latest round; everything older was deleted once all were past it.
+    assert len(left) <= 2 * jax.process_count(), sorted(left)[:10]
+
+
+def test_agreement_rounds_do_not_pile_up_in_the_coordinator(ray_cluster):
+    result = rjt.JaxTrainer(agreement_loop, scaling_config=ScalingConfig(num_workers=2)).fit()
+    assert result.error is None, result.error
+
+
 def test_resumable_batches_same_global_batches_on_any_mesh():
     import jax
 

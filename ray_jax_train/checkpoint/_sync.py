@@ -12,6 +12,9 @@ from typing import List, Optional
 
 _rounds = itertools.count()
 _TIMEOUT_MS = 10 * 60 * 1000
+# This process's keys from earlier rounds, deleted once a later round shows every process is past them: never
+# deleted, the coordinator kept two keys per process per preemption check (one every 10 steps) for the whole run.
+_written: List[str] = []
 
 
 def process_index() -> int:
@@ -37,9 +40,17 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
     from jax._src import distributed
 
     client = distributed.global_state.client
-    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if key is None else f"ray_jax_train/ckpt/{key}"
-    client.key_value_set(f"{key}/{process_index()}", value)
-    return [client.blocking_key_value_get(f"{key}/{p}", timeout_ms) for p in range(process_count())]
+    in_order = key is None
+    key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if in_order else f"ray_jax_train/ckpt/{key}"
+    mine = f"{key}/{process_index()}"
+    client.key_value_set(mine, value)
+    values = [client.blocking_key_value_get(f"{key}/{p}", timeout_ms) for p in range(process_count())]
+    if in_order:
+        # Every process has written this round, so each has read every earlier one: ours can go.
+        for old in _written:
+            client.key_value_delete(old)
+        _written[:] = [mine]
+    return values
 
 
 def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
@@ -52,5 +63,6 @@ def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}"
     if process_index() == 0:
         client.key_value_set(key, value)
+        _written.append(key)
         return value
     return client.blocking_key_value_get(key, timeout_ms)
