@@ -485,3 +485,14 @@ def test_checksums_cover_every_dtype_and_catch_one_flipped_bit():
     for spec in (P("a", "b"), P("a", None), P(None, None)):
         placed = {**state, "w": jax.device_put(state["w"], NamedSharding(mesh, spec))}
         assert checksums(placed) == before, spec
+    # Words in other places: swapped shards, a transpose, rows restored in another order. Each word's global
+    # position is in the third sum, so these change it, while any sharding of the same array still does not.
+    for moved in (np.concatenate([weights[4:], weights[:4]]), weights.T.copy(), weights[::-1].copy()):
+        assert checksums({**state, "w": jnp.asarray(moved)})[names.index("w")] != before[names.index("w")]
+    # Shards that start elsewhere in the array, and key data (a trailing word axis), sum to the same values too.
+    wide = {"k": jax.random.split(jax.random.key(2), 4), "x": jnp.asarray(rng.integers(0, 1 << 30, (4, 6)), jnp.int32)}
+    whole = checksums(wide)
+    for x_spec, k_spec in ((P("a", None), P("a")), (P(None, "b"), P(("a", "b"))), (P(("a", "b"), None), P())):
+        placed = {"k": jax.device_put(wide["k"], NamedSharding(mesh, k_spec)),
+                  "x": jax.device_put(wide["x"], NamedSharding(mesh, x_spec))}
+        assert checksums(placed) == whole, (x_spec, k_spec)
