@@ -392,6 +392,18 @@ def rollback_loop(config):
     assert ckpt.restore(target, again).state["w"].tolist() == [100, 101, 102, 103]
     assert ckpt.restore(target, ten).state["w"].tolist() == [10, 11, 12, 13]  # its checksums intact
     ckpt.close()
+    from ray_jax_train.checkpoint import CheckpointCorruptError
+
+    try:  # the run directory for one of its checkpoints: said so, not called a damaged save
+        ckpt.restore(target, ckpt.location.uri)
+        raise AssertionError("a run directory restored")
+    except CheckpointCorruptError as exc:
+        assert "not a checkpoint but a directory of 3; the latest is" in str(exc), exc
+    try:
+        abstract_state({"w": state["w"], "step": 5})
+        raise AssertionError("a Python int became a target")
+    except TypeError as exc:
+        assert "leaf ['step'] is a int (5), not an array" in str(exc), exc
 
 
 def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp_path):

@@ -189,6 +189,19 @@ def _location_of(checkpoint) -> _Location:
     return _Location(fs, path, _uri_for(fs, path))  # file:///x is /x to orbax, which read "file://" as a key
 
 
+def _checkpoints_in(loc: _Location) -> List[str]:
+    """Names of the finished checkpoints directly inside `loc`, oldest step first."""
+    import pyarrow.fs as pafs
+
+    try:
+        entries = loc.filesystem.get_file_info(pafs.FileSelector(loc.fs_path, allow_not_found=True))
+    except Exception:
+        return []
+    names = [e.base_name for e in entries if e.type == pafs.FileType.Directory and _NAME_RE.match(e.base_name)
+             and TMP_SUFFIX not in e.base_name]
+    return sorted(n for n in names if _exists(loc.child(n), "_CHECKPOINT_METADATA"))
+
+
 def _exists(loc: _Location, relative: str = "") -> bool:
     import pyarrow.fs as pafs
 
@@ -355,13 +368,17 @@ def abstract_state(state, shardings=None):
     """
     import jax
 
-    def one(leaf, sharding=None):
+    def one(path, leaf, sharding=None):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
+                            f"{type(leaf).__name__} ({leaf!r}), not an array; keep arrays in the state (e.g. "
+                            "jnp.asarray(step)), so it restores with a shape, dtype and sharding.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     if shardings is None:
-        return jax.tree.map(one, state)
-    return jax.tree.map(one, state, shardings)
+        return jax.tree_util.tree_map_with_path(one, state)
+    return jax.tree_util.tree_map_with_path(one, state, shardings)
 
 
 class JaxCheckpointer:
@@ -840,6 +857,10 @@ class JaxCheckpointer:
                 return None, "the directory does not exist", None
             for required in ("_CHECKPOINT_METADATA", f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
                 if not _exists(loc, required):
+                    inside = _checkpoints_in(loc) if required == "_CHECKPOINT_METADATA" else []
+                    if inside:  # a run directory, given for one of its checkpoints: not damage
+                        return None, (f"it is not a checkpoint but a directory of {len(inside)}; the latest is "
+                                      f"{loc.uri.rstrip('/')}/{inside[-1]}"), None
                     return None, f"{required} is missing (an unfinished or damaged save)", None
             meta = _read_json(loc, f"{META_ITEM}/metadata")
             if meta.get("format") != FORMAT:
