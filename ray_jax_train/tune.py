@@ -135,7 +135,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                           "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
     check_cluster_fits(base.scaling)
 
-    name = tune_cfg.name or base.run_name().replace(base.model.type, f"tune-{base.model.type}", 1)
+    # Never a fit's directory: run.name "foo" searched in <storage>/foo, where `fit` with that name writes.
+    name = tune_cfg.name or f"tune-{base.run_name()}"
     # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
     base = base.with_absolute_paths()
     storage = base.run.storage_path
