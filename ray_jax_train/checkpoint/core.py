@@ -688,13 +688,22 @@ class JaxCheckpointer:
         """Block until the save in flight is on storage (and, with `registered`, until Ray has registered it)."""
         with self._lock:
             self._finish_pending()
+            pending = self._pending
         if registered:
             import ray.train
             from ray.train.v2.api.report_config import CheckpointConsistencyMode
 
-            ray.train.get_all_reported_checkpoints(
-                consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=self.timeout_s
-            )
+            # Ray returns its list when its timeout passes, registered or not; a worker released then (after a
+            # SIGTERM) let the next incarnation delete the save as an orphan. So ask until it is there.
+            waited = time.monotonic()
+            while True:
+                reported = ray.train.get_all_reported_checkpoints(
+                    consistency_mode=CheckpointConsistencyMode.COMMITTED, timeout_s=self.timeout_s)
+                names = {r.checkpoint.path.rstrip("/").rsplit("/", 1)[-1] for r in reported}
+                if pending is None or pending.name in names:
+                    break
+                logger.warning("Checkpoint %s is not registered with Ray after %.0f s; still waiting.",
+                               pending.name, time.monotonic() - waited)
 
     def close(self) -> None:
         """Wait for the last save (Ray also waits for it before the worker finishes); SIGTERM is ordinary again.
