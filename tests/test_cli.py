@@ -241,15 +241,16 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
         read_file(str(tmp_path / "twice.json"))
     # Tune checks that failed only after Ray, a tokenizer and a trial's compile (or never: a wrong metric).
     space = {"training.learning_rate": {"choice": [1e-3, 3e-3]}}
+    steps = {"training": {"total_steps": 4}}  # ASHA needs them (or tune.scheduler.max_t)
     with pytest.raises(ConfigError, match="'eval_los' is not a metric .* did you mean 'eval_loss'"):
-        parse_config({"tune": {"metric": "eval_los", "param_space": space}})
+        parse_config({**steps, "tune": {"metric": "eval_los", "param_space": space}})
     with pytest.raises(ConfigError, match="'eval_loss' needs eval data"):
-        parse_config({"tune": {"metric": "eval_loss", "param_space": space}})
-    parse_config({"tune": {"metric": "eval_loss", "param_space": space}, "data": {"eval_fraction": 0.1}})
+        parse_config({**steps, "tune": {"metric": "eval_loss", "param_space": space}})
+    parse_config({**steps, "tune": {"metric": "eval_loss", "param_space": space}, "data": {"eval_fraction": 0.1}})
     for bad, message in [({"loguniform": [0, 1e-2]}, "must be > 0"), ({"randint": [3, 1]}, "must be below high"),
                          ({"quniform": [1e-3, 1e-2, 0]}, "q 0 must be > 0")]:
         with pytest.raises(ConfigError, match=message):
-            parse_config({"tune": {"param_space": {"training.learning_rate": bad}}})
+            parse_config({**steps, "tune": {"param_space": {"training.learning_rate": bad}}})
     # `~` was expanded only in run.storage_path.
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "corpus.txt").write_text("some text\n")

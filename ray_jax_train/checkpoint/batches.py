@@ -167,13 +167,17 @@ class ResumableBatches:
         return step
 
     def _order(self, epoch: int) -> np.ndarray:
-        if self._epoch_cache[0] != epoch:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
-            else:
-                order = np.arange(self.num_rows)
-            self._epoch_cache = (epoch, order)
-        return self._epoch_cache[1]
+        # One read of the cache and a local result: the prefetch thread and the caller may ask for different
+        # epochs at once, and re-reading the cache could hand one of them the other's order.
+        cached_epoch, cached = self._epoch_cache
+        if cached_epoch == epoch:
+            return cached
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        else:
+            order = np.arange(self.num_rows)
+        self._epoch_cache = (epoch, order)
+        return order
 
     def global_indices(self, step: int) -> np.ndarray:
         """Row indices of global batch `step` (the same on every process)."""

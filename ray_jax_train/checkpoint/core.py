@@ -644,7 +644,7 @@ class JaxCheckpointer:
     def _preemption_requested(self) -> Tuple[bool, str]:
         import ray.train
 
-        flags = _sync.allgather("sigterm", "1" if signals.sigterm_received() else "0")
+        flags = _sync.allgather("sigterm", "1" if signals.sigterm_received() else "0", timeout_ms=self._timeout_ms)
         if "1" in flags:
             return True, "sigterm"
         if self._ray_preemption_saved:

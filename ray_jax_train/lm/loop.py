@@ -100,6 +100,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}
+    resumed_at = None
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
         from ray_jax_train.checkpoint import abstract_state
 
@@ -107,6 +108,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if restored is not None:
             restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
+            resumed_at = restored.step
             logger.info("Resuming at step %d from %s.", restored.step, restored.path)
             if not restored.data_state and restored.step:
                 logger.warning("Checkpoint %s records no data position: step %d trains on the data from its start "
@@ -211,7 +213,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     progress.close()
     if checkpointer is not None:
-        if args.save_steps and step % args.save_steps:
+        if args.save_steps and step % args.save_steps and step != resumed_at:  # resumed at the end: saved already
             checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
         checkpointer.close()
     recorder.params("final_params", state["params"])
