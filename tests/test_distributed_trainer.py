@@ -253,6 +253,17 @@ def test_config_round_trip_scaling_and_samples(tokenizer_dir, tmp_path):
     assert trainer.extract_column_names(datasets.Dataset.from_list([{"text": "x", "id": 1}])) == ["text", "id"]
 
 
+def test_a_bf16_model_trains_float32_master_weights(tokenizer_dir, tmp_path, caplog):
+    # A bf16 HF checkpoint loads with bf16 weights; kept so, AdamW's small updates were rounded away.
+    trainer = make_trainer(tokenizer_dir)
+    bf16 = trainer.create_model(trainer.create_config(1).replace(dtype="bfloat16", param_dtype="bfloat16"), lazy=True)
+    args = one_step_args(tmp_path, "bf16")
+    config = trainer._train_config(1, args, bf16)
+    assert (config.param_dtype, config.dtype) == ("float32", "bfloat16") and "float32 master weights" in caplog.text
+    kept = trainer._train_config(1, args.model_copy(update={"param_dtype": "bfloat16"}), bf16)
+    assert kept.param_dtype == "bfloat16"  # asked for: trained as it is
+
+
 def test_load_processor_pads_with_eos_and_warns(tokenizer_dir, tmp_path, caplog):
     from transformers import AutoTokenizer
 

@@ -434,3 +434,16 @@ def test_single_slice_tpu_meshes_have_auto_axes_like_every_other_mesh():
     assert dict(mesh.shape) == {"fsdp": 2, "tp": 2}
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
     assert make_mesh({"dp": 4}).axis_types == (AxisType.Auto,)
+
+
+def test_a_cpu_devices_peak_is_its_share_of_the_process(monkeypatch):
+    """One CPU device's matmul runs on all the process's cores: with 4 devices each has a quarter of that peak (it
+    was the whole peak each, so MFU read 4x too low)."""
+    import jax
+
+    from ray_jax_train.lm import metrics
+
+    monkeypatch.setattr(metrics, "_measured", {})
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device=None, **kw: 100e9)
+    assert len(jax.local_devices()) == 4
+    assert metrics.peak_flops_per_device() == 25e9

@@ -315,6 +315,13 @@ class RayDistributedTrainer:
         """The model config for this run: the given model's or the scaled one, with precision overrides."""
         config = model.config if model is not None else self.create_config(scaling_index)
         overrides = {k: getattr(args, k) for k in ("dtype", "param_dtype") if getattr(args, k) is not None}
+        if model is not None and "param_dtype" not in overrides and config.param_dtype != "float32":
+            # A bf16 HF checkpoint loads with bf16 weights: stored so, AdamW's updates below half a bf16 ulp are
+            # rounded away (85% of the weights never moved at lr 1e-5). Train float32 master weights instead.
+            logger.warning("The model's weights are %s; training keeps float32 master weights (compute stays %s). "
+                           "Set TrainingArguments(param_dtype=%r) to train them as they are.",
+                           config.param_dtype, config.dtype, config.param_dtype)
+            overrides.update(param_dtype="float32", dtype=overrides.get("dtype", config.dtype))
         if overrides:
             config = config.replace(**overrides)
         if args.max_sequence_length > config.max_position_embeddings:

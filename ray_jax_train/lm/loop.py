@@ -316,7 +316,7 @@ def _with_mesh(mesh, fn):
 
 
 def _summarise(pending: List[Dict[str, Any]]) -> Dict[str, float]:
-    """Mean loss and grad norm over the steps since the last log: the one host sync per interval."""
+    """The interval's token-weighted loss and the last step's grad norm: the one host sync per interval."""
     import jax
     import jax.numpy as jnp
 

@@ -52,7 +52,10 @@ def peak_flops_per_device(device=None) -> float:
         # An accelerator missing from the table: its bf16 tensor-core peak, roughly, from a large bf16 matmul
         # (a small float32 one would measure a fraction of it and read MFU above 100%).
         on_cpu = getattr(device, "platform", "cpu") == "cpu"
-        _measured[kind] = (measure_matmul_flops(device) if on_cpu
+        # One CPU device's matmul already runs on all the process's cores (XLA:CPU shares one thread pool), so
+        # the measured figure is the process's peak: split it over its CPU devices, or with num_cpu_devices=N
+        # the peak was N times too high and MFU N times too low.
+        _measured[kind] = (measure_matmul_flops(device) / len(jax.local_devices(backend="cpu")) if on_cpu
                            else measure_matmul_flops(device, size=8192, dtype="bfloat16"))
     return _measured[kind]
 
