@@ -334,6 +334,10 @@ def assigned_gpus(process_id: int):
     return ",".join(gpu_ids), list(range(len(gpu_ids)))
 
 
+class DistributedStartError(RuntimeError):
+    """`jax.distributed.initialize` failed in a worker: the group is started again (within FailureConfig)."""
+
+
 def _setup_worker(
     coordinator: str,
     num_processes: int,
@@ -391,15 +395,19 @@ def _setup_worker(
         # Ask JAX nothing here: that would start its backend, and the loop's own jax.distributed.initialize
         # must come first.
         return {}
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=config.initialization_timeout_s,
-        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-        shutdown_timeout_seconds=config.shutdown_timeout_s,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=config.initialization_timeout_s,
+            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+            shutdown_timeout_seconds=config.shutdown_timeout_s,
+        )
+    except Exception as exc:
+        raise DistributedStartError(f"jax.distributed.initialize failed on process {process_id} of "
+                                    f"{num_processes} (coordinator {coordinator}): {exc}") from exc
     _state.config = config
     return {
         "process_index": jax.process_index(),
@@ -504,6 +512,26 @@ class _JaxBackend(Backend):
     share_cuda_visible_devices = False
 
     def on_start(self, worker_group, backend_config: JaxConfig):
+        try:
+            self._start(worker_group, backend_config)
+        except Exception as exc:
+            # Ray builds the group before this callback and tears it down only if building failed: a worker lost
+            # here left its placement group held and rank 0 waiting in jax.distributed.initialize, and on a cluster
+            # sized for the job the restart waited for those CPUs forever.
+            state = getattr(worker_group, "_worker_group_state", None)
+            if state is not None:
+                state.shutdown()
+                worker_group._clear_state()
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, DistributedStartError):
+                # A coordinator that could not be reached is worth another try under FailureConfig; as a task
+                # error it ended the run at once.
+                from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+                raise WorkerGroupStartupFailedError(str(cause)) from exc
+            raise
+
+    def _start(self, worker_group, backend_config: JaxConfig):
         coord_ip, coord_port = worker_group.execute_single(0, get_address_and_port)
         num_workers = len(worker_group)
         num_slices, workers_per_slice = 1, num_workers

@@ -440,3 +440,55 @@ def test_cpu_workers_keep_the_memory_a_step_frees(ray_cluster, tmp_path):
                       f"worker reported it: {seen}")
     with pytest.raises(ValueError, match="worker_runtime_env"):
         rjt.JaxConfig(env_vars={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+
+
+_FAIL_SETUP_ONCE = '''
+import os
+_marker = os.environ["RJT_TEST_SETUP_MARKER"]
+import jax
+_initialize = jax.distributed.initialize
+
+
+def _fail_once(*args, **kwargs):
+    if kwargs.get("process_id") == 1 and not os.path.exists(_marker):
+        open(_marker, "w").close()
+        if os.environ["RJT_TEST_SETUP_FAULT"] == "exit":
+            os._exit(1)  # a worker lost while rank 0 waits for it in initialize
+        raise ConnectionError("injected: the coordinator could not be reached")
+    return _initialize(*args, **kwargs)
+
+
+jax.distributed.initialize = _fail_once
+'''
+
+
+@pytest.mark.parametrize("fault", ["exit", "raise"])
+def test_a_worker_lost_or_failing_in_jax_distributed_setup_is_retried_and_releases_its_group(
+        ray_cluster, tmp_path, fault):
+    """Rank 1 fails once in jax.distributed.initialize (injected through a sitecustomize in the workers: a transient
+    coordinator failure cannot be produced on demand). A lost worker left the group's placement group held and rank
+    0 waiting in initialize; a raised error ended the run at once whatever FailureConfig said."""
+    import ray
+    from ray.train import FailureConfig, RunConfig
+    from ray.util import placement_group_table
+
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(_FAIL_SETUP_ONCE)
+    env = {"PYTHONPATH": str(tmp_path / "inject"), "RJT_TEST_SETUP_MARKER": str(tmp_path / "fired"),
+           "RJT_TEST_SETUP_FAULT": fault}
+
+    def loop():
+        import jax
+
+        assert jax.process_count() == 2
+
+    before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] == "CREATED"}
+    result = rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
+                            run_config=RunConfig(name=f"setup-{fault}", storage_path=str(tmp_path / "runs"),
+                                                 failure_config=FailureConfig(max_failures=1),
+                                                 worker_runtime_env={"env_vars": env})).fit()
+    assert result.error is None, result.error
+    assert (tmp_path / "fired").exists()  # the fault did fire: the run is the restarted group's
+    left = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] == "CREATED"} - before
+    assert not left, left
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
