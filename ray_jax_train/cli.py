@@ -244,7 +244,10 @@ def cmd_plot(args) -> int:
 
     if not 0 <= args.smoothing < 1:
         raise UsageError(f"--smoothing {args.smoothing}: must be in [0, 1)")
-    path = plot_run(args.run_dir, args.output, smoothing=args.smoothing)
+    try:
+        path = plot_run(args.run_dir, args.output, smoothing=args.smoothing)
+    except ValueError as exc:  # e.g. a run with no records yet: a message, not a traceback and "training failed"
+        raise UsageError(str(exc)) from None
     print(path)
     return EXIT_OK
 

@@ -70,8 +70,10 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
     panels = [p for p in PANELS if any(k in r for r in records for k in p[0])]
     if not panels:
         raise ValueError(f"{run_dir}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
-    output = output or os.path.join(run_dir if not run_dir.endswith(".jsonl") else os.path.dirname(run_dir),
-                                    "curves.png")
+    from ray_jax_train.storage import is_uri, join
+
+    base = run_dir if not run_dir.endswith(".jsonl") else run_dir.rstrip("/").rsplit("/", 1)[0]
+    output = output or join(base, "curves.png")
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     colors = {"loss": "tab:blue", "eval_loss": "tab:orange", "learning_rate": "tab:green",
               "tokens_per_s": "tab:purple"}
@@ -100,7 +102,14 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(title or os.path.basename(os.path.normpath(run_dir)), fontsize=11)
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
+    if is_uri(output):  # a run in a bucket: drawn locally, then copied beside its metrics (savefig wrote "gs:/...")
+        from ray_jax_train.storage import local_dir_for
+
+        folder, name = output.rstrip("/").rsplit("/", 1)
+        with local_dir_for(folder) as local:
+            fig.savefig(os.path.join(local, name), dpi=110)
+    else:
+        fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
 

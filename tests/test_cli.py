@@ -209,6 +209,14 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys):
     image = matplotlib.image.imread(out.strip())
     assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side
     assert run(["plot", str(tmp_path), "--smoothing", "1.5"], capsys)[0] == 2
+    # A run in storage given as a URI: its curves go beside its metrics there (savefig took the URI for a local path).
+    (tmp_path / "curves.png").unlink()
+    code, out, _ = run(["plot", f"file://{tmp_path}"], capsys)
+    assert code == 0 and out.strip() == f"file://{tmp_path}/curves.png" and (tmp_path / "curves.png").exists()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "metrics.jsonl").write_text("")  # a run that has logged nothing yet
+    code, _, err = run(["plot", str(tmp_path / "fresh")], capsys)
+    assert code == 2 and "no loss, learning_rate or tokens_per_s records yet" in err and "Traceback" not in err
     # A resumed run logs steps after its checkpoint twice: the curves keep the later record of each step.
     from ray_jax_train.plot import read_records
 
