@@ -27,6 +27,7 @@ _LAZY = {
     # the causal-LM trainer (EasyDeL's RayDistributedTrainer API, on Ray)
     "RayDistributedTrainer": "ray_jax_train.lm",
     "TrainingArguments": "ray_jax_train.lm",
+    "NonFiniteLossError": "ray_jax_train.lm",
     # checkpoints
     "JaxCheckpointer": "ray_jax_train.checkpoint",
     "ResumableBatches": "ray_jax_train.checkpoint",

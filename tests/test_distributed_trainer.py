@@ -262,6 +262,9 @@ def test_a_bf16_model_trains_float32_master_weights(tokenizer_dir, tmp_path, cap
     assert (config.param_dtype, config.dtype) == ("float32", "bfloat16") and "float32 master weights" in caplog.text
     kept = trainer._train_config(1, args.model_copy(update={"param_dtype": "bfloat16"}), bf16)
     assert kept.param_dtype == "bfloat16"  # asked for: trained as it is
+    assert "float16" not in caplog.text.replace("bfloat16", "")
+    trainer._train_config(1, args.model_copy(update={"dtype": "float16"}), None)
+    assert "without loss scaling; use bfloat16" in caplog.text
 
 
 def test_load_processor_pads_with_eos_and_warns(tokenizer_dir, tmp_path, caplog):

@@ -266,6 +266,37 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert _max_diff(exported_params, state["params"]) < 1e-5
 
 
+def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_cluster, tmp_path):
+    """A learning rate far too high makes step 2 NaN. Logged every 4 steps and saved every step, the run stops at the
+    step-2 save, on both workers, naming the step and the likely causes; step 1's checkpoint stays registered and no
+    NaN checkpoint is written. Before, it trained on NaN weights to the end and saved them over the good ones."""
+    import ray.data
+    from ray.train import CheckpointConfig, Result, TrainingFailedError
+
+    rows = packed_rows(40)
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=6, batch_size=4, max_sequence_length=SEQ, learning_rate=1e10,
+                             scheduler="constant", log_steps=4, save_steps=1, save_final_model=False,
+                             progress_bar=False, resume_if_possible=True)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 6},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="nan", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        datasets={"train": dataset})
+    with pytest.raises(TrainingFailedError, match=r"Step 2 gave loss nan.*weights are no longer finite") as failed:
+        trainer.fit()
+    assert "NonFiniteLossError" in str(failed.value) and "learning rate too high" in str(failed.value)
+    saved = sorted(p.name for p in (tmp_path / "nan").glob("checkpoint_0*"))
+    assert len(saved) == 1 and saved[0].startswith("checkpoint_000000001_"), saved
+    # Registered with Ray (an unregistered one is deleted as an orphan by the next attempt) and finite.
+    registered = Result.from_path(str(tmp_path / "nan")).checkpoint
+    assert registered is not None and registered.path.endswith(saved[0]), registered
+    params = rjt.checkpoint.restore(rjt.abstract_state({"params": split_model(create_model(CONFIG))[1]}),
+                                    registered, partial=True).state["params"]
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
 def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():
     """A checkpoint taken on an epoch's last batch resumes at the next epoch's first; an epoch that yields nothing
     from its start is the only error."""

@@ -434,7 +434,12 @@ def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused
         prepare_lm_dataset([dict(row, input_ids=np.where(row["input_ids"] == 6, 900, row["input_ids"]))], None, args,
                            vocab_size=64)
     masked_out = dict(row, targets=np.where(row["loss_mask"] == 0, -100, row["targets"]))  # HF's ignore index
-    prepare_lm_dataset([masked_out], None, args, vocab_size=8)
+    assert len(prepare_lm_dataset([masked_out] * 3, None, args, vocab_size=8)[0].take_all()) == 3
+    # A bad row after the first, which the driver never reads: found as Ray Data reads it, before any step.
+    late = dict(row, targets=np.where(row["loss_mask"] == 1, 8, row["targets"]))
+    ready, _ = prepare_lm_dataset([row, row, late], None, args, vocab_size=8)
+    with pytest.raises(Exception, match=r"targets from \d+ to 8, outside the model's vocabulary \[0, 8\)"):
+        ready.take_all()
     with pytest.raises(ValueError, match=r"lengths \{'input_ids': 8.*max_sequence_length is 16"):
         prepare_lm_dataset([row], None, args.model_copy(update={"max_sequence_length": 16}))
     check_tokenizer_fits(tokenizer, len(tokenizer))

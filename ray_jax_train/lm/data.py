@@ -6,6 +6,7 @@ data, no chat template) raise here, before any worker starts.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ray_jax_train.lm.arguments import TrainingArguments
@@ -38,9 +39,12 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
         if not first:
             raise text.EmptyDatasetError(f"{what}: the dataset has no rows")
         _check_padding_segment(first[0], what)
+        packed = dataset
         if data_collator is None:  # a collator may reshape or remap rows: what it feeds is then its own affair
             _check_pretokenised_row(first[0], args.max_sequence_length, vocab_size, what)
-        packed = dataset
+            if vocab_size is not None:  # the first row was checked here; every later one as Ray Data reads it
+                packed = dataset.map_batches(functools.partial(_ids_in_vocabulary, vocab_size=vocab_size, what=what),
+                                             batch_format="numpy", zero_copy_batch=True)
     else:
         if tokenizer is None:
             raise ValueError(f"{what} holds raw text (columns {names}) but no tokenizer is available; give the "
@@ -144,16 +148,23 @@ def _check_pretokenised_row(row: Dict[str, Any], max_sequence_length: int, vocab
         raise ValueError(f"{what}: pre-tokenised rows have lengths {wrong}, but max_sequence_length is "
                          f"{max_sequence_length}. Set max_sequence_length to the rows' length, or pack them to "
                          f"{max_sequence_length} tokens.")
-    if vocab_size is None:
-        return
-    ids = np.asarray(row["input_ids"])
-    targets = np.asarray(row["targets"])[np.asarray(row["loss_mask"]) != 0]  # masked targets are never read
+    if vocab_size is not None:
+        _ids_in_vocabulary(row, vocab_size, what)
+
+
+def _ids_in_vocabulary(rows: Dict[str, Any], vocab_size: int, what: str) -> Dict[str, Any]:
+    """`rows` (one row or a numpy batch), unchanged, once their ids are known to have rows in the embedding."""
+    import numpy as np
+
+    ids = np.asarray(rows["input_ids"])
+    targets = np.asarray(rows["targets"])[np.asarray(rows["loss_mask"]) != 0]  # masked targets are never read
     for name, values in (("input_ids", ids), ("targets", targets)):
         if values.size and (values.min() < 0 or values.max() >= vocab_size):
             raise ValueError(f"{what}: a pre-tokenised row has {name} from {values.min()} to {values.max()}, "
                              f"outside the model's vocabulary [0, {vocab_size}); JAX would read NaN for them and "
                              "the loss would go NaN. Tokenize with the model's own tokenizer, or give the model a "
                              "vocab_size above the largest id.")
+    return rows
 
 
 def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:

@@ -324,6 +324,12 @@ class RayDistributedTrainer:
             overrides.update(param_dtype="float32", dtype=overrides.get("dtype", config.dtype))
         if overrides:
             config = config.replace(**overrides)
+        if "float16" in (config.dtype, config.param_dtype):
+            # float16's range ends at 65504 and its small gradients flush to zero: without loss scaling (which
+            # this loop does not do) a run either stalls or goes NaN, and the NaN check then stops it.
+            logger.warning("The model computes or stores float16 (dtype=%s, param_dtype=%s), which this loop trains "
+                           "without loss scaling; use bfloat16, which has float32's range.",
+                           config.dtype, config.param_dtype)
         if args.max_sequence_length > config.max_position_embeddings:
             raise ValueError(f"max_sequence_length={args.max_sequence_length} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}.")

@@ -162,6 +162,13 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             return opened()
         return open_epoch(epoch, skip)
 
+    def checkpoint_metrics() -> Dict[str, float]:
+        """Called only when a save starts: the steps since the last log step are checked first, so no state that
+        went NaN between log steps is saved (and rotates good checkpoints out)."""
+        if pending:
+            _stop_if_not_finite(_fetch(pending), step, checkpointer)
+        return dict(last)
+
     position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
@@ -189,7 +196,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     record = {"step": step, "epoch": epoch, **startup}
                     startup = {}
                     if pending:
-                        record.update(_summarise(pending), learning_rate=float(schedule(step - 1)))
+                        stacked = _fetch(pending)
+                        _stop_if_not_finite(stacked, step, checkpointer)
+                        record.update(_summarise(stacked), learning_rate=float(schedule(step - 1)))
                         record.update(throughput.read())
                         pending = []
                     if due_eval:
@@ -203,7 +212,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         metrics_file.append(json.dumps(record))
                     ray.train.report(record)
                 if checkpointer is not None:
-                    checkpointer.maybe_save(step, state, metrics=lambda: dict(last), data_state=dict(position))
+                    checkpointer.maybe_save(step, state, metrics=checkpoint_metrics, data_state=dict(position))
                 if step >= total_steps:
                     break
     finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)
@@ -315,12 +324,41 @@ def _with_mesh(mesh, fn):
     return call
 
 
-def _summarise(pending: List[Dict[str, Any]]) -> Dict[str, float]:
-    """The interval's token-weighted loss and the last step's grad norm: the one host sync per interval."""
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm went NaN or infinite: every later step and checkpoint would hold NaN weights."""
+
+
+def _fetch(pending: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
+    """The steps' device metrics, stacked per key, on the host: the one host sync per log interval."""
     import jax
     import jax.numpy as jnp
 
-    stacked = jax.device_get({k: jnp.stack([m[k] for m in pending]) for k in pending[0]})
+    return jax.device_get({k: jnp.stack([m[k] for m in pending]) for k in pending[0]})
+
+
+def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer) -> None:
+    """Raise at the first step whose loss or gradient norm is not finite, after the save in flight is safe.
+
+    Every worker sees the same global values, so all raise together. Without this the run trained on NaN weights
+    to the end, and each periodic save pushed a good checkpoint out of `num_to_keep`.
+    """
+    bad = ~(np.isfinite(stacked["loss"]) & np.isfinite(stacked["grad_norm"]))
+    if not bad.any():
+        return
+    i = int(np.argmax(bad))
+    if checkpointer is not None:
+        checkpointer.wait(registered=True)  # the last good save is on storage and Ray's, not orphaned by the crash
+    raise NonFiniteLossError(
+        f"Step {last_step - len(bad) + 1 + i} gave loss {float(stacked['loss'][i])} and gradient norm "
+        f"{float(stacked['grad_norm'][i])}: the weights are no longer finite, so the run stops here instead of "
+        "training on or checkpointing them (checkpoints saved before this step are kept). Usual causes: a learning "
+        "rate too high for the model (lower learning_rate, add warmup_steps, keep max_grad_norm set), float16 "
+        "weights, which train without loss scaling here (use bfloat16), or a data_collator that feeds ids outside "
+        "[0, vocab_size).")
+
+
+def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """The interval's token-weighted loss and the last step's grad norm."""
     tokens = stacked["tokens"]
     # Token-weighted mean: the loss of all the tokens in the interval, not a mean of per-step means.
     loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
