@@ -212,6 +212,7 @@ def cmd_tune(args) -> int:
     from ray_jax_train.run_config import ConfigError, load_config
 
     config = load_config(args.config, args.overrides)  # validate before Ray starts
+    tune.require_param_space(config)
     _connect(config, args.address, args.verbose)
     started = time.time()
     try:

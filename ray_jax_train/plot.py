@@ -36,17 +36,20 @@ def read_records(run_dir: str) -> List[Dict]:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
                                 f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)") from None
-    records = []
+    records: List[Dict] = []
     for line in text.splitlines():
-        line = line.strip()
-        if line:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed run
-    # A resumed run logs again the steps after its checkpoint: the later record of a step is the one that counts.
-    last = {record.get("step", ("no step", index)): index for index, record in enumerate(records)}
-    return [records[i] for i in sorted(last.values())]
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed run
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            continue  # not a step record (hand-written or foreign lines): nothing to draw it at
+        # A resumed attempt logs again from its checkpoint's step on: what the killed attempt logged from there
+        # is replaced, also the steps past where the new attempt has got to so far (a live or twice-killed run).
+        while records and records[-1]["step"] >= record["step"]:
+            records.pop()
+        records.append(record)
+    return records
 
 
 def smooth(values: Sequence[float], weight: float) -> List[float]:
@@ -72,7 +75,7 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
         raise ValueError(f"{run_dir}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
     from ray_jax_train.storage import is_uri, join
 
-    base = run_dir if not run_dir.endswith(".jsonl") else run_dir.rstrip("/").rsplit("/", 1)[0]
+    base = run_dir if not run_dir.endswith(".jsonl") else (run_dir.rstrip("/").rpartition("/")[0] or ".")
     output = output or join(base, "curves.png")
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     colors = {"loss": "tab:blue", "eval_loss": "tab:orange", "learning_rate": "tab:green",

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig
+from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.storage import absolute, is_uri
 
@@ -238,7 +238,8 @@ class ExperimentConfig(_Section):
                               "cannot be; fix the model section")
         if self.tune is not None:
             self._check_tune_metric()
-            if args.total_steps is None and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None:
+            if (args.total_steps is None and "training.total_steps" not in self.tune.param_space
+                    and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None):
                 raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is "
                                   "not set; ASHA needs to know how long a trial runs")
         if not self.scaling.worker_resources():
@@ -267,6 +268,12 @@ class ExperimentConfig(_Section):
                     _check_search_space(key, spec)
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
+            shuffled = self.training.get("shuffle_buffer_size") or "training.shuffle_buffer_size" in self.tune.param_space
+            if "training.seed" in self.tune.param_space and not shuffled:
+                raise ConfigError("tune.param_space: training.seed seeds only the shuffle buffer, which is off "
+                                  "(training.shuffle_buffer_size is not set), so every trial would be the same run. "
+                                  "Search model.seed to vary the initial weights, or set "
+                                  "training.shuffle_buffer_size to vary the data order")
             self._check_trial_values()
         return self
 
@@ -331,10 +338,12 @@ class ExperimentConfig(_Section):
             return None
         return os.path.abspath(path)
 
-    def llama_config(self, tokenizer=None) -> LlamaConfig:
+    def llama_config(self, tokenizer=None, *, warn: bool = False) -> LlamaConfig:
         """The model config; vocab size and special token ids come from the tokenizer unless set. Starting from a
         Hugging Face directory, fields the model section leaves out come from its config.json: that model is
-        what is fine-tuned (LlamaConfig's defaults would be another model, 4096 wide, its weights refused)."""
+        what is fine-tuned (LlamaConfig's defaults would be another model, 4096 wide, its weights refused).
+        `training.dtype` / `training.param_dtype` apply, and bf16 weights loaded from such a directory train as
+        float32 master weights unless a param_dtype is given (`warn` says so in the log)."""
         values = self.model_fields_set_values()
         model_type = self.model.type
         hf_dir = self.hf_init_dir()
@@ -351,9 +360,18 @@ class ExperimentConfig(_Section):
                 values.setdefault(name, getattr(tokenizer, name))
         values.setdefault("max_position_embeddings", max(2048, int(self.training.get("max_sequence_length", 512))))
         try:
-            return LlamaConfig(model_type=model_type, **values)
+            config = LlamaConfig(model_type=model_type, **values)
+            precision = {k: canonical_dtype(self.training[k], f"training.{k}") for k in ("dtype", "param_dtype")
+                         if self.training.get(k) is not None}
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix=("model",), model=LlamaConfig)) from None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        from ray_jax_train.lm.distributed_trainer import training_precision
+
+        loaded = hf_dir is not None and "param_dtype" not in self.model_fields_set_values()
+        return training_precision(config, precision.get("dtype"), precision.get("param_dtype"),
+                                  loaded_weights=loaded, warn=warn)
 
     def has_eval_data(self) -> bool:
         """Whether `_datasets` gives an eval set: eval_source, or (stdlib) a fraction that holds a document."""
@@ -364,14 +382,17 @@ class ExperimentConfig(_Section):
     def _check_tune_metric(self) -> None:
         """Tune stops the whole search at the first report without its metric: a typo, or eval_* without eval
         data, would fail only once Ray is up, a tokenizer trained and a trial compiled."""
-        from ray_jax_train.lm.loop import REPORTED_KEYS
+        from ray_jax_train.lm.loop import REPORTED_KEYS, STARTUP_KEYS
 
         metric = self.tune.metric
-        if metric not in REPORTED_KEYS:
-            close = difflib.get_close_matches(metric, REPORTED_KEYS, n=1, cutoff=0.6)
+        # Start-up facts are in an attempt's first record only, and step/epoch only count: a trial's last result
+        # would never rank by them, and the search would end in "no trial reported" after running every trial.
+        rankable = [k for k in REPORTED_KEYS if k not in STARTUP_KEYS + ("step", "epoch")]
+        if metric not in rankable:
+            close = difflib.get_close_matches(metric, rankable, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"tune.metric: {metric!r} is not a metric the training loop reports. {hint}"
-                              f"Reported: {', '.join(REPORTED_KEYS)}")
+            raise ConfigError(f"tune.metric: {metric!r} is not a metric a search can rank trials by. {hint}"
+                              f"Use one of: {', '.join(rankable)}")
         if metric.startswith("eval_") and not self.has_eval_data():
             raise ConfigError(f"tune.metric: {metric!r} needs eval data; set data.eval_source (or, for the stdlib "
                               "corpus, data.eval_fraction > 0), or tune on 'loss'")
@@ -815,7 +836,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
     args = config.training_arguments(run_name=name)
     tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"), reuse=args.resume_if_possible)
-    model_config = config.llama_config(tokenizer)
+    model_config = config.llama_config(tokenizer, warn=True)
     if args.mesh is None:
         args.mesh = {"dp": -1}
     # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check); the model is only

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -90,6 +91,35 @@ class TuneOutcome:
                               new_state_fn=lambda params, step: new_state(params, optimizer, step))
 
 
+def require_param_space(config: ExperimentConfig) -> None:
+    """A search needs something to search: said before Ray starts (the CLI checks its config with this)."""
+    if config.tune is None or not config.tune.param_space:
+        raise ConfigError("tune.param_space is empty: give at least one training.* or model.* key to search, e.g. "
+                          "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
+
+
+def _hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
+    """`model.init_from` when it is a Hugging Face directory with a tokenizer: the ids its weights were trained on."""
+    hf_dir = config.hf_init_dir()
+    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
+                                  for name in ("tokenizer.json", "tokenizer_config.json")):
+        return hf_dir
+    return None
+
+
+def _longest_trial(base_steps: int, param_space: Dict[str, Any]) -> int:
+    """The most optimizer steps any trial can run: the base's, or the largest searched `training.total_steps`."""
+    spec = param_space.get("training.total_steps")
+    if spec is None:
+        return base_steps
+    kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
+    if kind == "randint":
+        return int(values[1]) - 1  # exclusive high end
+    if kind in ("uniform", "loguniform", "quniform"):
+        return int(values[1])
+    return max(int(v) for v in values)
+
+
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -129,10 +159,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     if num_samples is not None:
         data["tune"]["num_samples"] = num_samples
     base = parse_config(data)
+    require_param_space(base)
     tune_cfg = base.tune
-    if not tune_cfg.param_space:
-        raise ConfigError("tune.param_space is empty: give at least one training.* or model.* key to search, e.g. "
-                          "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
     check_cluster_fits(base.scaling)
 
     # Never a fit's directory: run.name "foo" searched in <storage>/foo, where `fit` with that name writes.
@@ -140,9 +168,11 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
     base = base.with_absolute_paths()
     storage = base.run.storage_path
-    tokenizer_path = base.tokenizer.path or os.path.join(storage, name, "tokenizer")
-    if base.tokenizer.path is None:
-        ensure_tokenizer(base, tokenizer_path)
+    tokenizer_path = base.tokenizer.path or _hf_tokenizer_dir(base) or os.path.join(storage, name, "tokenizer")
+    if base.tokenizer.path is None and tokenizer_path != _hf_tokenizer_dir(base):
+        # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
+        # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.
+        ensure_tokenizer(base, tokenizer_path, reuse=True)
     base_data = base.model_dump(mode="json")
     base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
     base_data["tune"] = None
@@ -172,7 +202,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         param_space=search_space(tune_cfg.param_space),
         tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
                                     max_concurrent_trials=tune_cfg.max_concurrent_trials,
-                                    scheduler=_scheduler(tune_cfg, args.total_steps or 0)),
+                                    scheduler=_scheduler(tune_cfg, _longest_trial(args.total_steps or 0,
+                                                                                  tune_cfg.param_space))),
         run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
     )
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step
@@ -181,14 +212,11 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
         results = tuner.fit()
     errors = [r.error for r in results if r.error is not None]
-    best = None
-    try:
-        best = results.get_best_result(metric=tune_cfg.metric, mode=tune_cfg.mode, scope="last")
-    except RuntimeError:
-        pass
-    if best is None or best.metrics is None or tune_cfg.metric not in best.metrics:
+    best = best_result(results, tune_cfg.metric, tune_cfg.mode)
+    if best is None:
         detail = f" First error: {errors[0]}" if errors else ""
-        raise RuntimeError(f"No trial reported {tune_cfg.metric!r}; {len(errors)} of {len(results)} failed.{detail}")
+        raise RuntimeError(f"No trial finished with a finite {tune_cfg.metric!r}; {len(errors)} of {len(results)} "
+                           f"failed.{detail}")
     best_config = parse_config(_merge(base_data, best.config))
     trial_name = f"{name}-{best.metrics.get('trial_id')}"
     outcome = TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
@@ -204,6 +232,23 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         with open(os.path.join(experiment_dir, "best.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return outcome
+
+
+def best_result(results, metric: str, mode: str):
+    """The best trial's result by its last `metric`, among trials that did not fail; None if there is none.
+
+    Ray's `ResultGrid.get_best_result` ranks failed trials too: one whose loss went NaN after a good early report
+    (stopped by the loop's NaN check) was the search's winner, with no checkpoint worth having.
+    """
+    finished = [r for r in results if r.error is None and r.metrics and _finite(r.metrics.get(metric))]
+    if not finished:
+        return None
+    pick = min if mode == "min" else max
+    return pick(finished, key=lambda r: r.metrics[metric])
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _plain(metrics: Dict[str, Any]) -> Dict[str, Any]:

@@ -192,7 +192,7 @@ def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster,
     assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
 
 
-def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys):
+def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch):
     import matplotlib.image
 
     rng = __import__("random").Random(0)
@@ -226,6 +226,16 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys):
     steps = [r["step"] for r in records]
     assert steps == sorted(set(steps)) and steps[-3:] == [198, 200, 202]
     assert [r["loss"] for r in records[-3:]] == [1.0, 1.0, 1.0]
+    # Killed again and resumed at step 148, now at 152: the abandoned attempt's steps 154-202 are not kept either.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("null\n" + json.dumps({"loss": 9.0}) + "\n")  # lines with no step to draw them at are skipped
+        f.write("\n".join(json.dumps({"step": s, "loss": 2.0}) for s in (150, 152)) + "\n")
+    steps = [r["step"] for r in read_records(str(tmp_path))]
+    assert steps[-4:] == [146, 148, 150, 152] and steps == sorted(set(steps))
+    # A metrics.jsonl named by a bare relative path: the curves go beside it (the directory was "metrics.jsonl").
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["plot", "metrics.jsonl"], capsys)
+    assert code == 0 and out.strip() == "./curves.png" and (tmp_path / "curves.png").exists()
 
 
 def test_entry_points(tmp_path):
@@ -259,6 +269,17 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
                          ({"quniform": [1e-3, 1e-2, 0]}, "q 0 must be > 0")]:
         with pytest.raises(ConfigError, match=message):
             parse_config({**steps, "tune": {"param_space": {"training.learning_rate": bad}}})
+    # Start-up facts are in an attempt's first record only: the search ran every trial, then found no best.
+    with pytest.raises(ConfigError, match="'startup_s' is not a metric a search can rank trials by"):
+        parse_config({**steps, "tune": {"metric": "startup_s", "param_space": space}})
+    # training.seed seeds only the shuffle buffer: with it off, N identical trials.
+    with pytest.raises(ConfigError, match="training.seed seeds only the shuffle buffer.*model.seed"):
+        parse_config({**steps, "tune": {"param_space": {"training.seed": {"choice": [1, 2]}}}})
+    parse_config({"training": {"total_steps": 4, "shuffle_buffer_size": 64},
+                  "tune": {"param_space": {"training.seed": {"choice": [1, 2]}}}})
+    # training.dtype / param_dtype reach the model (fit and every trial trained float32 whatever they said).
+    assert parse_config({"training": {"dtype": "bf16"}}).llama_config().dtype == "bfloat16"
+    assert parse_config({"training": {"param_dtype": "bfloat16"}}).llama_config().param_dtype == "bfloat16"
     # `~` was expanded only in run.storage_path.
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "corpus.txt").write_text("some text\n")
@@ -315,6 +336,23 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     # Sizes left out come from its config.json: that model is the one fine-tuned.
     config = parse_config({**tiny, "model": {"init_from": str(hf_dir), "remat": True}})
     assert config.llama_config() == hf.replace(remat=True)
+    # A bf16 checkpoint (most are) trains float32 master weights, as through RayDistributedTrainer; asked, bf16.
+    bf16_dir = tmp_path / "hf_bf16"
+    save_pretrained(create_model(hf.replace(dtype="bfloat16", param_dtype="bfloat16")), bf16_dir)
+    loaded = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}}).llama_config()
+    assert (loaded.param_dtype, loaded.dtype) == ("float32", "bfloat16")
+    kept = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}, "training": {**tiny["training"], "param_dtype": "bf16"}})
+    assert kept.llama_config().param_dtype == "bfloat16"
+    # A search from a directory with its own tokenizer gives the trials that tokenizer (they looked for one in the
+    # search's directory, which nothing wrote: every trial failed).
+    from ray_jax_train.text import train_tokenizer
+    from ray_jax_train.tune import _hf_tokenizer_dir
+
+    assert _hf_tokenizer_dir(config) is None
+    train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
+    assert _hf_tokenizer_dir(config) == str(hf_dir)
+    trial = parse_config({**tiny, "model": {"init_from": str(hf_dir)}, "tokenizer": {"path": str(hf_dir)}})
+    assert trial.llama_config().hidden_size == 64
 
 
 def test_set_reaches_a_dotted_search_key():

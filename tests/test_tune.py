@@ -32,6 +32,34 @@ def test_fractional_gpus_turn_off_preallocation():
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in whole
 
 
+def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_searched_trial(tmp_path):
+    """Ray's get_best_result ranked failed trials too: a trial stopped by the NaN check after one good report
+    won the search. ASHA's max_t came from the base total_steps, and cut the longer searched trials short."""
+    from ray.train import Result
+
+    from ray_jax_train.tune import _longest_trial, _scheduler, best_result
+
+    def result(loss, error=None):
+        return Result(metrics={"loss": loss, "step": 4}, checkpoint=None, error=error, path=str(tmp_path))
+
+    diverged = result(2.0, error=RuntimeError("NonFiniteLossError: Step 3 gave loss nan"))
+    trials = [result(2.5), diverged, result(float("nan")), result(2.7)]
+    assert best_result(trials, "loss", "min").metrics["loss"] == 2.5
+    assert best_result(trials, "loss", "max").metrics["loss"] == 2.7
+    assert best_result([diverged], "loss", "min") is None
+    assert best_result([result(1.0)], "eval_loss", "min") is None  # never reported
+
+    assert _longest_trial(4, {"training.total_steps": {"grid_search": [4, 16]}}) == 16
+    assert _longest_trial(4, {"training.total_steps": {"randint": [8, 21]}}) == 20
+    assert _longest_trial(4, {"training.total_steps": 12, "training.learning_rate": {"choice": [1e-3]}}) == 12
+    assert _longest_trial(4, {"training.learning_rate": {"choice": [1e-3]}}) == 4
+    from ray_jax_train.run_config import parse_config
+
+    asha = parse_config({"training": {"total_steps": 4},
+                         "tune": {"param_space": {"training.total_steps": {"grid_search": [4, 16]}}}}).tune
+    assert _scheduler(asha, _longest_trial(4, asha.param_space))._max_t == 17  # one past the last step
+
+
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     from ray_jax_train.tune import restore_best
 

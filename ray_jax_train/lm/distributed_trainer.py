@@ -51,6 +51,30 @@ def _json_safe(variables: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def training_precision(config: LlamaConfig, dtype: Optional[str], param_dtype: Optional[str], *,
+                       loaded_weights: bool, warn: bool = True) -> LlamaConfig:
+    """`config` with the run's precision: TrainingArguments' dtype/param_dtype where given, and float32 master
+    weights for loaded low-precision weights that no one asked to train as they are."""
+    overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v is not None}
+    if loaded_weights and param_dtype is None and config.param_dtype != "float32":
+        # A bf16 HF checkpoint loads with bf16 weights: stored so, AdamW's updates below half a bf16 ulp are
+        # rounded away (85% of the weights never moved at lr 1e-5). Train float32 master weights instead.
+        if warn:
+            logger.warning("The model's weights are %s; training keeps float32 master weights (compute stays %s). "
+                           "Set param_dtype=%r in the training arguments to train them as they are.",
+                           config.param_dtype, config.dtype, config.param_dtype)
+        overrides.update(param_dtype="float32", dtype=overrides.get("dtype", config.dtype))
+    if overrides:
+        config = config.replace(**overrides)
+    if warn and "float16" in (config.dtype, config.param_dtype):
+        # float16's range ends at 65504 and its small gradients flush to zero: without loss scaling (which this
+        # loop does not do) a run either stalls or goes NaN, and the NaN check then stops it.
+        logger.warning("The model computes or stores float16 (dtype=%s, param_dtype=%s), which this loop trains "
+                       "without loss scaling; use bfloat16, which has float32's range.",
+                       config.dtype, config.param_dtype)
+    return config
+
+
 class RayDistributedTrainer:
     """Train a scaled Llama-family causal LM on Ray workers.
 
@@ -314,22 +338,7 @@ class RayDistributedTrainer:
     def _train_config(self, scaling_index: int, args: TrainingArguments, model) -> LlamaConfig:
         """The model config for this run: the given model's or the scaled one, with precision overrides."""
         config = model.config if model is not None else self.create_config(scaling_index)
-        overrides = {k: getattr(args, k) for k in ("dtype", "param_dtype") if getattr(args, k) is not None}
-        if model is not None and "param_dtype" not in overrides and config.param_dtype != "float32":
-            # A bf16 HF checkpoint loads with bf16 weights: stored so, AdamW's updates below half a bf16 ulp are
-            # rounded away (85% of the weights never moved at lr 1e-5). Train float32 master weights instead.
-            logger.warning("The model's weights are %s; training keeps float32 master weights (compute stays %s). "
-                           "Set TrainingArguments(param_dtype=%r) to train them as they are.",
-                           config.param_dtype, config.dtype, config.param_dtype)
-            overrides.update(param_dtype="float32", dtype=overrides.get("dtype", config.dtype))
-        if overrides:
-            config = config.replace(**overrides)
-        if "float16" in (config.dtype, config.param_dtype):
-            # float16's range ends at 65504 and its small gradients flush to zero: without loss scaling (which
-            # this loop does not do) a run either stalls or goes NaN, and the NaN check then stops it.
-            logger.warning("The model computes or stores float16 (dtype=%s, param_dtype=%s), which this loop trains "
-                           "without loss scaling; use bfloat16, which has float32's range.",
-                           config.dtype, config.param_dtype)
+        config = training_precision(config, args.dtype, args.param_dtype, loaded_weights=model is not None)
         if args.max_sequence_length > config.max_position_embeddings:
             raise ValueError(f"max_sequence_length={args.max_sequence_length} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}.")
