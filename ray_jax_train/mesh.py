@@ -13,6 +13,14 @@ AxesLike = Union[Mapping[str, int], Sequence[Tuple[str, int]]]
 
 def validate_axes(axes: AxesLike) -> Dict[str, int]:
     """Check axis names and sizes without knowing the device count (driver-side, before workers start)."""
+    if hasattr(axes, "axis_names") and hasattr(axes, "axis_dims"):  # config.MeshSpec, EasyDeL's two lists
+        axes = list(zip(axes.axis_names, axes.axis_dims))
+    shape_hint = "mesh axes are a mapping such as {'dp': -1} or (name, size) pairs such as [('dp', 2), ('tp', 4)]"
+    if isinstance(axes, (str, bytes)) or not isinstance(axes, (Mapping, Sequence)):
+        raise ValueError(f"Mesh axes {axes!r}: {shape_hint}.")
+    if not isinstance(axes, Mapping) and any(isinstance(item, (str, bytes)) or not isinstance(item, Sequence)
+                                             or len(item) != 2 for item in axes):
+        raise ValueError(f"Mesh axes {list(axes)!r}: {shape_hint}.")
     items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(item) for item in axes]
     if not items:
         raise ValueError("A mesh needs at least one axis, e.g. {'dp': -1}.")

@@ -381,10 +381,10 @@ def _pick_granule(devices, granule: str) -> str:
     return "slice" if None not in slices and len(slices) > 1 else "process"
 
 
-def _axes_dict(axes) -> Dict[str, int]:
-    if hasattr(axes, "axis_names") and hasattr(axes, "axis_dims"):  # config.MeshSpec
-        return validate_axes(list(zip(axes.axis_names, axes.axis_dims)))
-    return validate_axes(axes)
+
+
+def _plural(granule: str) -> str:
+    return granule + ("es" if granule.endswith("s") else "s")
 
 
 def hybrid_device_grid(axes, dcn: Optional[Union[Mapping[str, int], Sequence[int]]], devices: Sequence,
@@ -398,7 +398,7 @@ def hybrid_device_grid(axes, dcn: Optional[Union[Mapping[str, int], Sequence[int
     """
     from jax.experimental import mesh_utils
 
-    sizes = resolve_axes(_axes_dict(axes), len(devices))
+    sizes = resolve_axes(validate_axes(axes), len(devices))
     names = list(sizes)
     if dcn is None:
         dcn = {}
@@ -419,13 +419,13 @@ def hybrid_device_grid(axes, dcn: Optional[Union[Mapping[str, int], Sequence[int
         raise ValueError(f"dcn sizes {dcn}: only one can be -1.")
     if inferred:
         if num_granules % dcn_known:
-            raise ValueError(f"dcn sizes {dcn} cannot be inferred for {num_granules} {granule}s.")
+            raise ValueError(f"dcn sizes {dcn} cannot be inferred for {num_granules} {_plural(granule)}.")
         dcn[inferred[0]] = num_granules // dcn_known
     dcn_shape = [int(dcn.get(name, 1)) for name in names]
     if any(v < 1 for v in dcn_shape) or math.prod(dcn_shape) != num_granules:
         raise ValueError(
             f"dcn sizes {dict(zip(names, dcn_shape))} multiply to {math.prod(dcn_shape)}, but the devices form "
-            f"{num_granules} {granule}(s). Make the dcn sizes multiply to the number of {granule}s."
+            f"{num_granules} {_plural(granule)}. Make the dcn sizes multiply to the number of {_plural(granule)}."
         )
     bad = {n: (sizes[n], d) for n, d in zip(names, dcn_shape) if sizes[n] % d}
     if bad:
@@ -452,6 +452,6 @@ def make_hybrid_mesh(axes, dcn=None, devices: Optional[Sequence] = None, granule
 
     devices = list(jax.devices() if devices is None else devices)
     if not dcn or all(v == 1 for v in (dcn.values() if isinstance(dcn, Mapping) else dcn)):
-        return make_mesh(_axes_dict(axes), devices)
+        return make_mesh(validate_axes(axes), devices)
     grid, sizes = hybrid_device_grid(axes, dcn, devices, granule)
     return Mesh(grid, tuple(sizes))

@@ -147,6 +147,16 @@ def test_mesh_sizes_must_match_devices():
     config = resolve_jax_config(rjt.JaxConfig(num_cpu_devices=2, mesh={"dp": -1, "tp": 2}),
                                 ScalingConfig(num_workers=2))
     assert config.mesh == {"dp": -1, "tp": 2}  # fits: dp is inferred in the workers
+    # EasyDeL-style MeshSpec (exported, and taken by make_hybrid_mesh) failed in make_mesh and JaxConfig; axes of
+    # the wrong shape raised "not enough values to unpack".
+    from ray_jax_train.config import MeshSpec
+
+    assert dict(rjt.make_mesh(MeshSpec(axis_names=("dp", "fsdp", "tp"), axis_dims=(1, -1, 1))).shape) == \
+        {"dp": 1, "fsdp": 4, "tp": 1}
+    assert rjt.JaxConfig(mesh=MeshSpec(axis_names=("dp", "tp"), axis_dims=(-1, 2))).mesh == {"dp": -1, "tp": 2}
+    for bad in ("dp", [("dp",)], [("dp", 2, 3)], ["dp"], 4):
+        with pytest.raises(ValueError, match=r"mesh axes are a mapping such as \{'dp': -1\} or \(name, size\) pairs"):
+            rjt.make_mesh(bad)
 
 
 def test_mesh_keeps_each_process_contiguous():

@@ -186,7 +186,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, accumulat
             return loss_sum, tokens, grads
 
         def accumulate(carry, micro):
-            (loss_sum, tokens), grads = grad_fn(params, micro)
+            # The params are loop-invariant, so XLA hoisted their fsdp all-gathers out of the scan and held every
+            # gathered weight for the whole step: more memory per device with accumulation than unsharded. Tied to
+            # each micro-batch here, each is gathered where it is used, as without accumulation.
+            p, micro = jax.lax.optimization_barrier((params, micro))
+            (loss_sum, tokens), grads = grad_fn(p, micro)
             acc_grads, acc_loss, acc_tokens = carry
             acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
             return (acc_grads, acc_loss + loss_sum, acc_tokens + tokens), None
