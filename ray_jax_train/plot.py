@@ -122,7 +122,8 @@ def _finite(value) -> bool:
 
 
 class TensorBoardCallback(UserCallback):
-    """Writes every reported metric to TensorBoard event files as it arrives (on the Train controller).
+    """Writes the metrics of every report without a checkpoint to TensorBoard event files as they arrive (on the
+    Train controller).
 
     Opt-in (`run.tensorboard: true`): metrics.jsonl is always written, TensorBoard only when asked for.
     """
@@ -131,7 +132,9 @@ class TensorBoardCallback(UserCallback):
         self.logdir, self._writer = logdir, None
 
     def after_report(self, run_context, metrics, checkpoint):
-        if not metrics:
+        # The built-in loop's checkpoint reports re-send its latest logged metrics (checkpoint scoring needs them
+        # there); drawn again, every curve got a second, stale point at each save step.
+        if not metrics or checkpoint is not None:
             return
         if self._writer is None:
             from tensorboardX import SummaryWriter

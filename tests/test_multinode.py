@@ -127,6 +127,7 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
         "--set", f"run.storage_path={storage}", "--set", "scaling.num_workers=2",
         "--set", "scaling.resources_per_worker={rjt_slot: 1}", "--set", "training.total_steps=4",
         "--set", "training.save_steps=2", "--set", "training.eval_steps=4", "--set", "data.max_docs=30",
+        "--set", "run.tensorboard=true",
     ]
     submitted = subprocess.run(
         [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
@@ -146,6 +147,11 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4 and "loss" in records[-1]
     assert (run_dir / "final_model").is_dir()
+    # TensorBoard has each logged point once: the checkpoint reports (steps 2 and 4) re-send the latest metrics.
+    scalars = _tensorboard_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["loss"]] == [2, 4], scalars["loss"]
+    assert [value for _, value in scalars["loss"]] == pytest.approx([r["loss"] for r in records])
+    assert [step for step, _ in scalars["eval_loss"]] == [4]
     # The summary tells the user where the checkpoints are and how to resume.
     assert "=== ray-jax-train: done ===" in logs and str(run_dir) in logs and "--set run.name=two-nodes" in logs
 
@@ -171,3 +177,21 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
 
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "curves.png").stat().st_size > 10_000
+
+
+def _tensorboard_scalars(logdir):
+    """{tag: [(step, value), ...]} from the event files in `logdir` (TFRecord framing, tensorboardX's protos)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4  # length, its crc, the record, its crc
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
