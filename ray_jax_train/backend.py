@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -34,7 +35,9 @@ class JaxConfig(BackendConfig):
     Args:
         use_tpu / use_gpu: as in Ray's `JaxConfig`; they also follow `ScalingConfig` when left False.
         platform: "cpu", "gpu" or "tpu"; overrides the choice made from the scaling config and `JAX_PLATFORMS`.
-        num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU.
+        num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU. Left at 1,
+            a count the workers' environment sets by hand (`--xla_force_host_platform_device_count` in XLA_FLAGS,
+            `JAX_NUM_CPU_DEVICES`; Ray's way) stands.
         mesh: ordered axis name -> size (one size may be -1) that `ray_jax_train.get_mesh()` builds in the loop.
         dcn_mesh: for multi-slice TPU (or hosts as the slow network), how many slices each `mesh` axis spans,
             e.g. {"dp": 2}; `mesh` sizes stay the totals. `get_mesh()` then builds a hybrid ICI x DCN mesh.
@@ -279,7 +282,9 @@ def _global_device_count(config: JaxConfig, scaling_config) -> Optional[int]:
     counts, local mode (num_workers=0) and hand-set device counts."""
     workers = scaling_config.num_workers
     settings = " ".join([*config.xla_flags, *map(str, config.env_vars.values())])
-    hand_set = "xla_force_host_platform_device_count" in settings
+    # Set by hand in the config, or in the driver's environment, which a local cluster's workers inherit.
+    hand_set = ("xla_force_host_platform_device_count" in settings or "JAX_NUM_CPU_DEVICES" in config.env_vars
+                or hand_set_cpu_devices(os.environ) is not None)
     if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None or hand_set:
         return None
     processes = workers if config.distributed else 1
@@ -289,6 +294,16 @@ def _global_device_count(config: JaxConfig, scaling_config) -> Optional[int]:
         gpus = (scaling_config.resources_per_worker or {}).get("GPU") or 1
         return processes * int(gpus) if float(gpus).is_integer() else None
     return None
+
+
+def hand_set_cpu_devices(environ: Mapping[str, str]) -> Optional[int]:
+    """The CPU device count an environment sets by hand (`JAX_NUM_CPU_DEVICES`, or XLA's
+    `--xla_force_host_platform_device_count` flag, which JAX obeys unless its own setting is given), or None."""
+    value = environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if value.lstrip("-").isdigit() and int(value) > 0:
+        return int(value)
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else None
 
 
 def _requests_gpus(scaling_config) -> bool:
@@ -373,7 +388,13 @@ def _setup_worker(
     jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
     if config.platform == "cpu":
         check_worker_allocator()
-        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+        hand_set = hand_set_cpu_devices(os.environ)
+        if hand_set is None or config.num_cpu_devices != 1:
+            if hand_set not in (None, config.num_cpu_devices):
+                logger.warning("JaxConfig(num_cpu_devices=%d) overrides the %d CPU devices that XLA_FLAGS or "
+                               "JAX_NUM_CPU_DEVICES ask for.", config.num_cpu_devices, hand_set)
+            jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+        # else: the count set by hand (Ray's way: a runtime_env XLA flag) stands; the default 1 overrode it.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.compilation_cache and config.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)

@@ -94,7 +94,7 @@ class JaxTrainer(DataParallelTrainer):
 
     def fit(self):
         if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
-            _ensure_ray_leaves_cpu_for_data(self.scaling_config, bool(self.datasets))
+            _ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
         with _fast_report_polling():
             return super().fit()
 
@@ -226,6 +226,14 @@ def _warn_if_ray_start_cluster_runs(temp_dir: Optional[str] = None) -> Optional[
 def _worker_cpus(scaling_config) -> float:
     # Ray's own count: 1 by default, 0 for use_gpu or use_tpu without resources_per_worker (ray/air/config.py).
     return float(scaling_config.num_cpus_per_worker)
+
+
+def _needs_data_tasks(datasets) -> bool:
+    """Whether feeding `datasets` runs Ray Data tasks (which need CPUs): a materialized dataset (`from_items`,
+    `.materialize()`) is read straight from the object store, and Ray's own trainer runs beside it on full CPUs."""
+    from ray.data.dataset import MaterializedDataset
+
+    return any(not isinstance(ds, MaterializedDataset) for ds in (datasets or {}).values())
 
 
 def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:

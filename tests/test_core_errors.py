@@ -57,6 +57,11 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert one.xla_flags == ["--xla_cpu_enable_fast_math=false", "--xla_cpu_use_thunk_runtime=true"]
     assert one.worker_env()["XLA_FLAGS"].endswith("--xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true")
     assert one.worker_env()["JAX_ENABLE_X64"] == "true" and one.worker_env()["JAX_TRACEBACK_FILTERING_LIMIT"] == "3"
+    from ray_jax_train.backend import hand_set_cpu_devices
+
+    assert hand_set_cpu_devices({"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8"}) == 8
+    assert hand_set_cpu_devices({"JAX_NUM_CPU_DEVICES": "3", "XLA_FLAGS": ""}) == 3
+    assert hand_set_cpu_devices({"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}) is None
     with pytest.raises(ValueError, match=r"\['xla_cpu_enable_fast_math=false'\] are not flags"):
         rjt.JaxConfig(xla_flags=["xla_cpu_enable_fast_math=false"])
     with pytest.raises(ValueError, match="env_vars=.*'PATHS': \\['a'\\].*got a list"):
@@ -219,6 +224,12 @@ def test_workers_that_take_every_cpu_are_refused_before_hanging(ray_cluster):
     trainer = rjt.JaxTrainer(_loop, scaling_config=ScalingConfig(num_workers=4), datasets={"d": ray.data.range(4)})
     with pytest.raises(ValueError, match="Ray Data would have no CPU"):
         trainer.fit()
+    # Rows already in the object store need no Data task: Ray's own JaxTrainer trains beside them on every CPU.
+    from ray_jax_train.trainer import _needs_data_tasks
+
+    assert not _needs_data_tasks({"d": ray.data.from_items([{"x": 1}]), "e": ray.data.range(4).materialize()})
+    assert _needs_data_tasks({"d": ray.data.from_items([{"x": 1}]).map(lambda r: r)})
+    assert not _needs_data_tasks(None) and not _needs_data_tasks({})
 
 
 def test_distributed_false_checks_the_mesh_against_one_workers_devices():
