@@ -502,14 +502,17 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
 
     The run directory is what a restarted worker group (and a re-run `fit()` of the same run) sees again, so
     their programs load instead of compiling. JAX's own `JAX_COMPILATION_CACHE_DIR`, set on the driver, names a
-    cache that every run shares instead (Tune trials, repeated experiments, a test session). Storage behind a URI
+    cache that every run shares instead (Tune trials, repeated experiments, a test session), as does one in
+    `RunConfig(worker_runtime_env={"env_vars": ...})`. Storage behind a URI
     or a custom filesystem has no local path for JAX to write to; then the cache stays off unless one of those
     names a directory.
     """
     if not config.compilation_cache or config.compilation_cache_dir:
         return
-    shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if shared:
+    worker_env = getattr(run_config, "worker_runtime_env", None)
+    worker_env = (worker_env.get("env_vars") or {}) if isinstance(worker_env, dict) else {}
+    shared = worker_env.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if shared:  # the workers' own choice first (Ray's way to configure them), then the driver's
         config.compilation_cache_dir = shared
         return
     storage = str(run_config.storage_path)

@@ -80,6 +80,10 @@ def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
 
     local = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path=str(tmp_path)))
     assert local.jax_config.compilation_cache_dir == str(tmp_path / "r" / "compilation_cache")
+    # Named for the workers the way Ray configures them: it was replaced by the run's own cache.
+    theirs = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path=str(tmp_path), worker_runtime_env={
+        "env_vars": {"JAX_COMPILATION_CACHE_DIR": "/tmp/mycache"}}))
+    assert theirs.jax_config.worker_env()["JAX_COMPILATION_CACHE_DIR"] == "/tmp/mycache"
     chosen = rjt.JaxTrainer(loop, jax_config=rjt.JaxConfig(compilation_cache_dir="/tmp/cc"),
                             run_config=RunConfig(name="r", storage_path=str(tmp_path)))
     assert chosen.jax_config.compilation_cache_dir == "/tmp/cc"
