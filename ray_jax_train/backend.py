@@ -430,12 +430,46 @@ def _setup_worker(
         raise DistributedStartError(f"jax.distributed.initialize failed on process {process_id} of "
                                     f"{num_processes} (coordinator {coordinator}): {exc}") from exc
     _state.config = config
+    _answer_a_second_initialize(num_processes, process_id)
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "local_device_count": jax.local_device_count(),
         "device_count": jax.device_count(),
     }
+
+
+def _answer_a_second_initialize(num_processes: int, process_id: int) -> None:
+    """Loops written for Ray's JaxTrainer on CPU, which sets nothing up, call `jax.distributed.initialize()`
+    themselves; JAX refused that call here ("must be called before any JAX calls"). One that asks for this job, or
+    for nothing in particular, is answered as done; one that asks for another job is refused naming the fix."""
+    import inspect
+
+    import jax
+
+    original = jax.distributed.initialize
+    if getattr(original, "_ray_jax_train", False):
+        return
+    signature = inspect.signature(original)
+
+    def initialize(*args, **kwargs):
+        if _state.config is None or not jax.distributed.is_initialized():
+            return original(*args, **kwargs)
+        asked = signature.bind_partial(*args, **kwargs).arguments
+        ours = {"num_processes": num_processes, "process_id": process_id}
+        other = {k: asked[k] for k in ours if asked.get(k) is not None and asked[k] != ours[k]}
+        if other:
+            raise RuntimeError(
+                f"jax.distributed.initialize({', '.join(f'{k}={v}' for k, v in other.items())}) in a worker that "
+                f"ray_jax_train's JaxTrainer has already joined to its job as process {process_id} of "
+                f"{num_processes}. Remove the call, or pass JaxConfig(distributed=False) to set up "
+                "jax.distributed yourself.")
+        logger.info("jax.distributed is already initialized by the JaxTrainer (process %d of %d); the loop's "
+                    "jax.distributed.initialize() call changes nothing.", process_id, num_processes)
+
+    initialize._ray_jax_train = True
+    initialize.__doc__ = original.__doc__
+    jax.distributed.initialize = initialize
 
 
 def _shutdown_worker():

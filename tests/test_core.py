@@ -40,6 +40,14 @@ def _collectives_and_batches(config):
     out = {"process_count": jax.process_count(), "device_count": jax.device_count(),
            "local_device_count": jax.local_device_count(),
            "compilation_cache_on": bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)}
+    # A loop written for Ray's JaxTrainer (which sets nothing up on CPU) joins the job itself: answered as done,
+    # or refused naming the fix when it asks for another job (JAX said "must be called before any JAX calls").
+    jax.distributed.initialize()
+    jax.distributed.initialize("ignored:1234", num_processes=2, process_id=jax.process_index())
+    try:
+        jax.distributed.initialize(num_processes=3)
+    except RuntimeError as exc:
+        out["second_initialize_error"] = str(exc)
     mesh = rjt.make_mesh({"dp": 2, "tp": -1})
     # A cross-process reduction inside jit: each process contributes (rank + 1) on each local device.
     x = jax.make_array_from_process_local_data(
@@ -114,6 +122,8 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
         assert info["pad_batches"] == 6
         assert info["batches_of_64"] == 16 and info["kv_batch_keys"] <= 4 * 3, info  # 4 iterators
     assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
+    assert all("initialize(num_processes=3) in a worker" in info["second_initialize_error"] and
+               "JaxConfig(distributed=False)" in info["second_initialize_error"] for info in ranks), ranks
     assert all("the workers hold different rows" in info.get("resumable_error", "") for info in ranks), ranks
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
     # Every row of the 32-row dataset is seen exactly once across both workers.
