@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Dict, List, Optional, Sequence
 
 from ray.train.v2.api.callback import UserCallback
@@ -136,15 +137,22 @@ class TensorBoardCallback(UserCallback):
         # there); drawn again, every curve got a second, stale point at each save step.
         if not metrics or checkpoint is not None:
             return
-        if self._writer is None:
-            from tensorboardX import SummaryWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
 
-            self._writer = SummaryWriter(self.logdir)
+        if self._writer is None:
+            # Written here, not through SummaryWriter's queue: its thread wrote events after flush() returned, and
+            # the controller's exit at the end of a run lost the last report's.
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.record_writer import directory_check
+
+            directory_check(self.logdir)
+            self._writer = EventsWriter(os.path.join(self.logdir, "events"))
         record = metrics[0]
-        step = int(record.get("step", 0))
-        for key, value in record.items():
-            if key not in ("step", "epoch") and _finite(value):
-                self._writer.add_scalar(key, value, step)
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
+                  if key not in ("step", "epoch") and _finite(value)]
+        self._writer.write_event(Event(wall_time=time.time(), step=int(record.get("step", 0)),
+                                       summary=Summary(value=values)))
         self._writer.flush()
 
     def __getstate__(self):

@@ -128,8 +128,9 @@ def _scheduler(tune_cfg: TuneSection, total_steps: int):
         return FIFOScheduler()
     if s.type == "median":
         return MedianStoppingRule(time_attr="step", grace_period=s.grace_period)
-    # One past the last step: a trial that trained to the end still reports its final checkpoint.
-    max_t = s.max_t or total_steps + 1
+    # One past the last step: a trial that trained to the end still reports its final checkpoint. A max_t of the
+    # last step itself stopped every trial at its last log report, and the search kept no checkpoint.
+    max_t = total_steps + 1 if s.max_t is None or (total_steps and s.max_t >= total_steps) else s.max_t
     return ASHAScheduler(time_attr="step", max_t=max(max_t, s.grace_period + 1), grace_period=s.grace_period,
                          reduction_factor=s.reduction_factor)
 

@@ -58,6 +58,10 @@ def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_search
     asha = parse_config({"training": {"total_steps": 4},
                          "tune": {"param_space": {"training.total_steps": {"grid_search": [4, 16]}}}}).tune
     assert _scheduler(asha, _longest_trial(4, asha.param_space))._max_t == 17  # one past the last step
+    capped = asha.model_copy(update={"scheduler": asha.scheduler.model_copy(update={"max_t": 16})})
+    assert _scheduler(capped, 16)._max_t == 17  # at the last step itself, the final checkpoint was never reported
+    capped = asha.model_copy(update={"scheduler": asha.scheduler.model_copy(update={"max_t": 8})})
+    assert _scheduler(capped, 16)._max_t == 8
 
 
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
