@@ -35,9 +35,9 @@ class JaxConfig(BackendConfig):
     Args:
         use_tpu / use_gpu: as in Ray's `JaxConfig`; they also follow `ScalingConfig` when left False.
         platform: "cpu", "gpu" or "tpu"; overrides the choice made from the scaling config and `JAX_PLATFORMS`.
-        num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU. Left at 1,
-            a count the workers' environment sets by hand (`--xla_force_host_platform_device_count` in XLA_FLAGS,
-            `JAX_NUM_CPU_DEVICES`; Ray's way) stands.
+        num_cpu_devices: CPU devices per worker process, so multi-device meshes can be tested on CPU. None (the
+            default): the count the workers' environment sets by hand (`--xla_force_host_platform_device_count` in
+            XLA_FLAGS, `JAX_NUM_CPU_DEVICES`; Ray's way), else 1. A number here wins over those.
         mesh: ordered axis name -> size (one size may be -1) that `ray_jax_train.get_mesh()` builds in the loop.
         dcn_mesh: for multi-slice TPU (or hosts as the slow network), how many slices each `mesh` axis spans,
             e.g. {"dp": 2}; `mesh` sizes stay the totals. `get_mesh()` then builds a hybrid ICI x DCN mesh.
@@ -72,7 +72,7 @@ class JaxConfig(BackendConfig):
     use_tpu: bool = False
     use_gpu: bool = False
     platform: Optional[str] = None
-    num_cpu_devices: int = 1
+    num_cpu_devices: Optional[int] = None
     mesh: Optional[Mapping[str, int]] = None
     dcn_mesh: Optional[Mapping[str, int]] = None
     env_vars: Dict[str, str] = dataclasses.field(default_factory=dict)
@@ -98,10 +98,11 @@ class JaxConfig(BackendConfig):
                     f"JaxConfig(platform={self.platform!r}) is not a platform; use one of {PLATFORMS} "
                     "or leave it None to follow ScalingConfig(use_gpu/use_tpu) and JAX_PLATFORMS."
                 )
-        if not isinstance(self.num_cpu_devices, int) or self.num_cpu_devices < 1:
+        if self.num_cpu_devices is not None and (not isinstance(self.num_cpu_devices, int)
+                                                 or isinstance(self.num_cpu_devices, bool) or self.num_cpu_devices < 1):
             raise ValueError(
-                f"JaxConfig(num_cpu_devices={self.num_cpu_devices!r}) must be an integer >= 1: it is the number "
-                "of CPU devices each worker process exposes to JAX."
+                f"JaxConfig(num_cpu_devices={self.num_cpu_devices!r}) must be an integer >= 1 (or None): it is the "
+                "number of CPU devices each worker process exposes to JAX."
             )
         if self.gpu_memory_fraction is not None and not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(
@@ -264,7 +265,7 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
         from ray.train.constants import JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S
 
         config.shutdown_timeout_s = ray_constants.env_integer(JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S, 60)
-    devices = _global_device_count(config, scaling_config)
+    devices = _global_device_count(config, scaling_config, run_config)
     if config.mesh is not None and devices is not None:
         from ray_jax_train.mesh import resolve_axes
 
@@ -276,24 +277,39 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
     return config
 
 
-def _global_device_count(config: JaxConfig, scaling_config) -> Optional[int]:
+def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> Optional[int]:
     """The job's device count where the driver can know it: CPU devices or GPUs per worker, times the workers
     (one worker's with distributed=False). None for TPU (chips per host vary), multi-slice meshes, elastic worker
-    counts, local mode (num_workers=0) and hand-set device counts."""
+    counts, local mode (num_workers=0) and a CPU count only the driver's own environment sets."""
     workers = scaling_config.num_workers
-    settings = " ".join([*config.xla_flags, *map(str, config.env_vars.values())])
-    # Set by hand in the config, or in the driver's environment, which a local cluster's workers inherit.
-    hand_set = ("xla_force_host_platform_device_count" in settings or "JAX_NUM_CPU_DEVICES" in config.env_vars
-                or hand_set_cpu_devices(os.environ) is not None)
-    if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None or hand_set:
+    if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None:
         return None
     processes = workers if config.distributed else 1
     if config.platform == "cpu":
-        return processes * config.num_cpu_devices
+        per_worker = _cpu_devices_per_worker(config, run_config)
+        return None if per_worker is None else processes * per_worker
     if config.platform == "gpu":
         gpus = (scaling_config.resources_per_worker or {}).get("GPU") or 1
         return processes * int(gpus) if float(gpus).is_integer() else None
     return None
+
+
+def _cpu_devices_per_worker(config: JaxConfig, run_config=None) -> Optional[int]:
+    """Each worker's CPU device count as the driver sees it: JaxConfig's number, else one set by hand in JaxConfig's
+    env_vars/xla_flags or the workers' runtime_env, else 1. None when only the driver's environment sets one: a
+    local cluster's workers inherit it, a remote one's do not."""
+    if config.num_cpu_devices is not None:
+        return config.num_cpu_devices
+    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
+    worker_env = (worker_env.get("env_vars") or {}) if isinstance(worker_env, dict) else {}
+    ours = {"JAX_NUM_CPU_DEVICES": str(config.env_vars.get("JAX_NUM_CPU_DEVICES", "")),
+            "XLA_FLAGS": " ".join([str(worker_env.get("XLA_FLAGS", "")), str(config.env_vars.get("XLA_FLAGS", "")),
+                                   *config.xla_flags])}
+    for environ in (ours, worker_env):
+        count = hand_set_cpu_devices(environ)
+        if count is not None:
+            return count
+    return None if hand_set_cpu_devices(os.environ) is not None else 1
 
 
 def hand_set_cpu_devices(environ: Mapping[str, str]) -> Optional[int]:
@@ -388,13 +404,13 @@ def _setup_worker(
     jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
     if config.platform == "cpu":
         check_worker_allocator()
+        # A count set by hand (Ray's way: a runtime_env XLA flag) stands unless JaxConfig gives one; set here, as
+        # JAX read JAX_NUM_CPU_DEVICES when this process imported it, before env_vars were applied.
         hand_set = hand_set_cpu_devices(os.environ)
-        if hand_set is None or config.num_cpu_devices != 1:
-            if hand_set not in (None, config.num_cpu_devices):
-                logger.warning("JaxConfig(num_cpu_devices=%d) overrides the %d CPU devices that XLA_FLAGS or "
-                               "JAX_NUM_CPU_DEVICES ask for.", config.num_cpu_devices, hand_set)
-            jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
-        # else: the count set by hand (Ray's way: a runtime_env XLA flag) stands; the default 1 overrode it.
+        if config.num_cpu_devices is not None and hand_set not in (None, config.num_cpu_devices):
+            logger.warning("JaxConfig(num_cpu_devices=%d) overrides the %d CPU devices that XLA_FLAGS or "
+                           "JAX_NUM_CPU_DEVICES ask for.", config.num_cpu_devices, hand_set)
+        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices or hand_set or 1)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.compilation_cache and config.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)

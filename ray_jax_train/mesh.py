@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 # Axes that split the batch, in the order a batch dimension is sharded over them.
 BATCH_AXES = ("dp", "fsdp", "data")
@@ -16,8 +16,11 @@ def validate_axes(axes: AxesLike) -> Dict[str, int]:
     if hasattr(axes, "axis_names") and hasattr(axes, "axis_dims"):  # config.MeshSpec, EasyDeL's two lists
         axes = list(zip(axes.axis_names, axes.axis_dims))
     shape_hint = "mesh axes are a mapping such as {'dp': -1} or (name, size) pairs such as [('dp', 2), ('tp', 4)]"
-    if isinstance(axes, (str, bytes)) or not isinstance(axes, (Mapping, Sequence)):
+    if isinstance(axes, (str, bytes)) or not isinstance(axes, (Mapping, Iterable)):
         raise ValueError(f"Mesh axes {axes!r}: {shape_hint}.")
+    if not isinstance(axes, Mapping):
+        axes = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else item
+                for item in axes]  # zip(names, sizes), dict.items(), a generator, an array of pairs
     if not isinstance(axes, Mapping) and any(isinstance(item, (str, bytes)) or not isinstance(item, Sequence)
                                              or len(item) != 2 for item in axes):
         raise ValueError(f"Mesh axes {list(axes)!r}: {shape_hint}.")

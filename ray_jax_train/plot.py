@@ -76,7 +76,8 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
         raise ValueError(f"{run_dir}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
     from ray_jax_train.storage import is_uri, join
 
-    base = run_dir if not run_dir.endswith(".jsonl") else (run_dir.rstrip("/").rpartition("/")[0] or ".")
+    head, slash, _ = run_dir.rpartition("/")
+    base = run_dir if not run_dir.endswith(".jsonl") else (head or slash or ".")  # "/m.jsonl" is in "/"
     output = output or join(base, "curves.png")
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     colors = {"loss": "tab:blue", "eval_loss": "tab:orange", "learning_rate": "tab:green",

@@ -735,7 +735,8 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
         return ensure_pad_token(load_tokenizer(hf_dir))  # the weights' own ids: a tokenizer trained now has others
     if reuse and exists(join(directory, "tokenizer.json")):
         logging.getLogger(__name__).warning(
-            "Reusing this run's tokenizer %s (training.resume_if_possible); a new run.name trains a new one.",
+            "Reusing the tokenizer trained earlier under this name, %s: its checkpoints were trained with its ids "
+            "(a new run.name or tune.name trains a new one).",
             directory)
         return ensure_pad_token(load_tokenizer(directory))
 

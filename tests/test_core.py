@@ -252,10 +252,10 @@ def test_distributed_false_gives_each_worker_its_own_jax(ray_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     # A 2-device mesh fits each worker; "cpu,cuda" is kept, as it leads with cpu (JAX skips CUDA where no GPU is
-    # visible). The 2 devices are asked for Ray's way, by an XLA flag, which the default num_cpu_devices=1 overrode.
+    # visible). The 2 devices are set by hand, as JAX's own variable (the XLA flag takes the same path), which
+    # num_cpu_devices=1 overrode, and which JAX, imported before env_vars are applied, never read.
     config = rjt.JaxConfig(distributed=False, mesh={"dp": 2}, compilation_cache=False,
-                           env_vars={"JAX_PLATFORMS": "cpu,cuda"},
-                           xla_flags="--xla_force_host_platform_device_count=2")
+                           env_vars={"JAX_PLATFORMS": "cpu,cuda", "JAX_NUM_CPU_DEVICES": 2})
     result = _fit(_independent_process, tmp_path, config={"out": str(out)}, jax_config=config)
     assert result.error is None
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -57,7 +57,19 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert one.xla_flags == ["--xla_cpu_enable_fast_math=false", "--xla_cpu_use_thunk_runtime=true"]
     assert one.worker_env()["XLA_FLAGS"].endswith("--xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true")
     assert one.worker_env()["JAX_ENABLE_X64"] == "true" and one.worker_env()["JAX_TRACEBACK_FILTERING_LIMIT"] == "3"
-    from ray_jax_train.backend import hand_set_cpu_devices
+    from ray.train import RunConfig
+
+    from ray_jax_train.backend import _cpu_devices_per_worker, hand_set_cpu_devices
+
+    # The driver's count per worker, for its mesh check: JaxConfig's number wins; else a count set by hand in the
+    # config or the workers' runtime_env (Ray's way); else 1.
+    by_flag = RunConfig(worker_runtime_env={"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}})
+    assert _cpu_devices_per_worker(rjt.JaxConfig(), by_flag) == 4
+    assert _cpu_devices_per_worker(rjt.JaxConfig(num_cpu_devices=1), by_flag) == 1
+    assert _cpu_devices_per_worker(rjt.JaxConfig(env_vars={"JAX_NUM_CPU_DEVICES": 3})) == 3
+    assert _cpu_devices_per_worker(rjt.JaxConfig()) == 1
+    config = resolve_jax_config(rjt.JaxConfig(mesh={"dp": 2, "fsdp": 4}), ScalingConfig(num_workers=2), by_flag)
+    assert config.mesh == {"dp": 2, "fsdp": 4}  # refused before: "does not fit the 2 devices"
 
     assert hand_set_cpu_devices({"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8"}) == 8
     assert hand_set_cpu_devices({"JAX_NUM_CPU_DEVICES": "3", "XLA_FLAGS": ""}) == 3
@@ -163,6 +175,9 @@ def test_mesh_sizes_must_match_devices():
     assert dict(rjt.make_mesh(MeshSpec(axis_names=("dp", "fsdp", "tp"), axis_dims=(1, -1, 1))).shape) == \
         {"dp": 1, "fsdp": 4, "tp": 1}
     assert rjt.JaxConfig(mesh=MeshSpec(axis_names=("dp", "tp"), axis_dims=(-1, 2))).mesh == {"dp": -1, "tp": 2}
+    for pairs in (zip(["dp", "tp"], [-1, 2]), {"dp": -1, "tp": 2}.items(), ((n, v) for n, v in [("dp", -1), ("tp", 2)]),
+                  np.array([["dp", -1], ["tp", 2]], dtype=object)):
+        assert dict(rjt.make_mesh(pairs).shape) == {"dp": 2, "tp": 2}
     for bad in ("dp", [("dp",)], [("dp", 2, 3)], ["dp"], 4):
         with pytest.raises(ValueError, match=r"mesh axes are a mapping such as \{'dp': -1\} or \(name, size\) pairs"):
             rjt.make_mesh(bad)

@@ -437,9 +437,21 @@ def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused
     assert len(prepare_lm_dataset([masked_out] * 3, None, args, vocab_size=8)[0].take_all()) == 3
     # A bad row after the first, which the driver never reads: found as Ray Data reads it, before any step.
     late = dict(row, targets=np.where(row["loss_mask"] == 1, 8, row["targets"]))
-    ready, _ = prepare_lm_dataset([row, row, late], None, args, vocab_size=8)
+    import ray.data
+
+    lazy = ray.data.from_items([row, row, late]).map(lambda r: r)  # rows still to be read: checked as read
+    ready, _ = prepare_lm_dataset(lazy, None, args, vocab_size=8)
     with pytest.raises(Exception, match=r"targets from \d+ to 8, outside the model's vocabulary \[0, 8\)"):
         ready.take_all()
+    with pytest.raises(Exception, match=r"targets from \d+ to 8, outside"):  # in the object store: checked now
+        prepare_lm_dataset([row, row, late], None, args, vocab_size=8)
+    # Rows of Python lists (as JSON, Parquet and HF datasets give them) reach the check as object arrays.
+    as_lists = [{k: np.asarray(v).tolist() for k, v in r.items()} for r in (row, row, row)]
+    materialized, _ = prepare_lm_dataset(as_lists, None, args, vocab_size=8)
+    assert materialized.count() == 3 and type(materialized).__name__ == "MaterializedDataset"
+    with pytest.raises(Exception, match=r"targets from \d+ to 8, outside"):
+        prepare_lm_dataset(as_lists[:2] + [{k: np.asarray(v).tolist() for k, v in late.items()}], None, args,
+                           vocab_size=8)
     with pytest.raises(ValueError, match=r"lengths \{'input_ids': 8.*max_sequence_length is 16"):
         prepare_lm_dataset([row], None, args.model_copy(update={"max_sequence_length": 16}))
     check_tokenizer_fits(tokenizer, len(tokenizer))

@@ -42,9 +42,8 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
         packed = dataset
         if data_collator is None:  # a collator may reshape or remap rows: what it feeds is then its own affair
             _check_pretokenised_row(first[0], args.max_sequence_length, vocab_size, what)
-            if vocab_size is not None:  # the first row was checked here; every later one as Ray Data reads it
-                packed = dataset.map_batches(functools.partial(_ids_in_vocabulary, vocab_size=vocab_size, what=what),
-                                             batch_format="numpy", zero_copy_batch=True)
+            if vocab_size is not None:
+                packed = _check_every_row(dataset, vocab_size, what)
     else:
         if tokenizer is None:
             raise ValueError(f"{what} holds raw text (columns {names}) but no tokenizer is available; give the "
@@ -152,12 +151,38 @@ def _check_pretokenised_row(row: Dict[str, Any], max_sequence_length: int, vocab
         _ids_in_vocabulary(row, vocab_size, what)
 
 
-def _ids_in_vocabulary(rows: Dict[str, Any], vocab_size: int, what: str) -> Dict[str, Any]:
-    """`rows` (one row or a numpy batch), unchanged, once their ids are known to have rows in the embedding."""
+def _check_every_row(dataset, vocab_size: int, what: str):
+    """The dataset to feed, its rows' ids checked against the vocabulary (the driver read only the first).
+
+    Rows already in the object store are checked now, in one pass of Ray Data tasks that return nothing, so the
+    dataset fed stays materialized (counted, and needing no CPU while training). Rows still to be read are checked
+    as they are read, by a map fused into the read tasks: no second pass over files.
+    """
+    from ray.data.dataset import MaterializedDataset
+
+    check = functools.partial(_ids_in_vocabulary, vocab_size=vocab_size, what=what)
+    if isinstance(dataset, MaterializedDataset):
+        dataset.map_batches(lambda rows: {"rows": [len(check(rows)["input_ids"])]}, batch_format="numpy",
+                            zero_copy_batch=True).count()
+        return dataset
+    return dataset.map_batches(check, batch_format="numpy", zero_copy_batch=True)
+
+
+def _flat(column) -> "np.ndarray":
+    """A column's values in one 1-D array: a 2-D tensor column, or Ray's object array of per-row lists (rows read
+    from JSON, Parquet or Python lists)."""
     import numpy as np
 
-    ids = np.asarray(rows["input_ids"])
-    targets = np.asarray(rows["targets"])[np.asarray(rows["loss_mask"]) != 0]  # masked targets are never read
+    column = np.asarray(column)
+    if column.dtype == object:
+        return np.concatenate([np.asarray(item).ravel() for item in column]) if column.size else np.zeros(0, int)
+    return column.ravel()
+
+
+def _ids_in_vocabulary(rows: Dict[str, Any], vocab_size: int, what: str) -> Dict[str, Any]:
+    """`rows` (one row or a numpy batch), unchanged, once their ids are known to have rows in the embedding."""
+    ids = _flat(rows["input_ids"])
+    targets = _flat(rows["targets"])[_flat(rows["loss_mask"]) != 0]  # masked targets are never read
     for name, values in (("input_ids", ids), ("targets", targets)):
         if values.size and (values.min() < 0 or values.max() >= vocab_size):
             raise ValueError(f"{what}: a pre-tokenised row has {name} from {values.min()} to {values.max()}, "
