@@ -300,7 +300,7 @@ def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_clus
     step-2 save, on both workers, naming the step and the likely causes; step 1's checkpoint stays registered and no
     NaN checkpoint is written. Before, it trained on NaN weights to the end and saved them over the good ones."""
     import ray.data
-    from ray.train import CheckpointConfig, Result, TrainingFailedError
+    from ray.train import CheckpointConfig, FailureConfig, Result, TrainingFailedError
 
     rows = packed_rows(40)
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
@@ -311,11 +311,17 @@ def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_clus
         train_loop_per_worker,
         train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 6},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="nan", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        run_config=RunConfig(name="nan", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(num_to_keep=1),
+                             failure_config=FailureConfig(max_failures=3)),
         datasets={"train": dataset})
-    with pytest.raises(TrainingFailedError, match=r"Step 2 gave loss nan.*weights are no longer finite") as failed:
+    # The retry (for lost workers) resumes at step 1 and stops at once: it would only train into the NaN again.
+    with pytest.raises(TrainingFailedError, match=r"An earlier attempt of this run went NaN at step 2; resuming at "
+                                                  r"step 1") as failed:
         trainer.fit()
-    assert "NonFiniteLossError" in str(failed.value) and "learning rate too high" in str(failed.value)
+    assert "NonFiniteLossError" in str(failed.value)
+    assert "The earlier error: Step 2 gave loss nan" in str(failed.value) and "learning rate too high" in str(failed.value)
+    first_error = (tmp_path / "nan" / "nonfinite.json").read_text()
+    assert json.loads(first_error)["step"] == 2
     saved = sorted(p.name for p in (tmp_path / "nan").glob("checkpoint_0*"))
     assert len(saved) == 1 and saved[0].startswith("checkpoint_000000001_"), saved
     # Registered with Ray (an unregistered one is deleted as an orphan by the next attempt) and finite.

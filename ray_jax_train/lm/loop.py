@@ -27,6 +27,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+NONFINITE_FILE = "nonfinite.json"  # in the run directory: the step an attempt of this fit() went NaN at
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
 STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device")
@@ -128,6 +129,14 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device)
     outputs = RunOutputs.of_this_run()
+    run_id = _train_run_id()
+    went_nan = outputs.nonfinite_record(run_id)
+    if went_nan is not None:  # every process reads the same file: all stop here together
+        raise NonFiniteLossError(
+            f"An earlier attempt of this run went NaN at step {went_nan['step']}; resuming at step {step} with the "
+            "same settings would train into it again, so this attempt stops instead of spending FailureConfig's "
+            f"retries (meant for lost workers). Fix the cause and call fit() again. The earlier error: "
+            f"{went_nan.get('message', '')}")
     metrics_file = outputs.metrics_file() if rank0 else None
     progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
@@ -166,8 +175,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         """Called only when a save starts: the steps since the last log step are checked first, so no state that
         went NaN between log steps is saved (and rotates good checkpoints out)."""
         if pending:
-            _stop_if_not_finite(_fetch(pending), step, checkpointer)
+            _stop_if_not_finite(_fetch(pending), step, checkpointer, remember)
         return dict(last)
+
+    def remember(bad_step: int, message: str) -> None:
+        if rank0:
+            outputs.remember_nonfinite(run_id, bad_step, message)
 
     position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
     compiled = False
@@ -197,7 +210,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     startup = {}
                     if pending:
                         stacked = _fetch(pending)
-                        _stop_if_not_finite(stacked, step, checkpointer)
+                        _stop_if_not_finite(stacked, step, checkpointer, remember)
                         record.update(_summarise(stacked), learning_rate=float(schedule(step - 1)))
                         record.update(throughput.read())
                         pending = []
@@ -336,25 +349,31 @@ def _fetch(pending: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
     return jax.device_get({k: jnp.stack([m[k] for m in pending]) for k in pending[0]})
 
 
-def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer) -> None:
+def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer,
+                        remember: Optional[Callable[[int, str], None]] = None) -> None:
     """Raise at the first step whose loss or gradient norm is not finite, after the save in flight is safe.
 
     Every worker sees the same global values, so all raise together. Without this the run trained on NaN weights
-    to the end, and each periodic save pushed a good checkpoint out of `num_to_keep`.
+    to the end, and each periodic save pushed a good checkpoint out of `num_to_keep`. `remember(step)` records it
+    for the run's next attempt, which would only repeat it.
     """
     bad = ~(np.isfinite(stacked["loss"]) & np.isfinite(stacked["grad_norm"]))
     if not bad.any():
         return
     i = int(np.argmax(bad))
+    bad_step = last_step - len(bad) + 1 + i
     if checkpointer is not None:
         checkpointer.wait(registered=True)  # the last good save is on storage and Ray's, not orphaned by the crash
-    raise NonFiniteLossError(
-        f"Step {last_step - len(bad) + 1 + i} gave loss {float(stacked['loss'][i])} and gradient norm "
+    message = (
+        f"Step {bad_step} gave loss {float(stacked['loss'][i])} and gradient norm "
         f"{float(stacked['grad_norm'][i])}: the weights are no longer finite, so the run stops here instead of "
         "training on or checkpointing them (checkpoints saved before this step are kept). Usual causes: a learning "
         "rate too high for the model (lower learning_rate, add warmup_steps, keep max_grad_norm set), float16 "
         "weights, which train without loss scaling here (use bfloat16), or a data_collator that feeds ids outside "
         "[0, vocab_size).")
+    if remember is not None:
+        remember(bad_step, message)
+    raise NonFiniteLossError(message)
 
 
 def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -374,6 +393,16 @@ def _checkpointer(args):
     return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps))
 
 
+def _train_run_id() -> Optional[str]:
+    """Ray Train's id of this `fit()`: the same in every attempt (worker group restart) of it, new in the next fit."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return str(get_train_context().train_run_context.run_id)
+    except Exception:  # another Ray version: no record, and a retry simply runs into the NaN again
+        return None
+
+
 class RunOutputs:
     """Where the loop writes `metrics.jsonl` and `final_model/`: the run's directory in Ray's storage, a shared
     path or a URI (gs://, s3://) alike, so the outputs do not depend on which node rank 0 runs on."""
@@ -387,6 +416,26 @@ class RunOutputs:
 
         storage = ray.train.get_context().get_storage()
         return cls(storage.storage_filesystem, storage.experiment_fs_path)
+
+    def nonfinite_record(self, run_id: Optional[str]) -> Optional[Dict[str, Any]]:
+        """{step, message} of an earlier attempt of this same `fit()` (Ray's run id) that went NaN, or None."""
+        if run_id is None:
+            return None
+        try:
+            with self.filesystem.open_input_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
+                record = json.loads(f.read().decode())
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and record.get("run_id") == run_id else None
+
+    def remember_nonfinite(self, run_id: Optional[str], step: int, message: str) -> None:
+        if run_id is None:
+            return
+        try:
+            with self.filesystem.open_output_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
+                f.write(json.dumps({"run_id": run_id, "step": step, "message": message}).encode())
+        except OSError as exc:  # the NaN error itself must still be raised
+            logger.warning("Could not record the NaN step for a retry to see: %s", exc)
 
     def metrics_file(self):
         from ray_jax_train.storage import AppendOnlyFile
