@@ -179,8 +179,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         return dict(last)
 
     def remember(bad_step: int, message: str) -> None:
+        from ray_jax_train.checkpoint import _sync
+
         if rank0:
             outputs.remember_nonfinite(run_id, bad_step, message)
+        # The others raise only once it is written: the first error seen tears the group down, rank 0 included.
+        _sync.allgather("nonfinite", "1", key=f"nonfinite/{bad_step}")
 
     position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
     compiled = False
