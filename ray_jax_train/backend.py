@@ -215,12 +215,16 @@ def _leads_with(jax_platforms: str, platform: str) -> bool:
     return _PLATFORM_FROM_JAX.get(first) == platform
 
 
+def _runtime_env_vars(run_config) -> Dict[str, str]:
+    """The env_vars of `RunConfig(worker_runtime_env=...)`: how Ray's own trainers configure their workers."""
+    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
+    return (worker_env.get("env_vars") or {}) if isinstance(worker_env, dict) else {}
+
+
 def _user_jax_platforms(config: JaxConfig, run_config) -> List[tuple]:
     """(where, value) of the `JAX_PLATFORMS` values the driver knows the workers will get, in precedence order."""
-    found = [("JaxConfig(env_vars=...)", config.env_vars.get("JAX_PLATFORMS"))]
-    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
-    if isinstance(worker_env, dict):
-        found.append(("RunConfig(worker_runtime_env=...)", (worker_env.get("env_vars") or {}).get("JAX_PLATFORMS")))
+    found = [("JaxConfig(env_vars=...)", config.env_vars.get("JAX_PLATFORMS")),
+             ("RunConfig(worker_runtime_env=...)", _runtime_env_vars(run_config).get("JAX_PLATFORMS"))]
     return [(where, value.strip()) for where, value in found if value and value.strip()]
 
 
@@ -300,8 +304,7 @@ def _cpu_devices_per_worker(config: JaxConfig, run_config=None) -> Optional[int]
     local cluster's workers inherit it, a remote one's do not."""
     if config.num_cpu_devices is not None:
         return config.num_cpu_devices
-    worker_env = getattr(run_config, "worker_runtime_env", None) if run_config is not None else None
-    worker_env = (worker_env.get("env_vars") or {}) if isinstance(worker_env, dict) else {}
+    worker_env = _runtime_env_vars(run_config)
     ours = {"JAX_NUM_CPU_DEVICES": str(config.env_vars.get("JAX_NUM_CPU_DEVICES", "")),
             "XLA_FLAGS": " ".join([str(worker_env.get("XLA_FLAGS", "")), str(config.env_vars.get("XLA_FLAGS", "")),
                                    *config.xla_flags])}
@@ -559,9 +562,7 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     """
     if not config.compilation_cache or config.compilation_cache_dir:
         return
-    worker_env = getattr(run_config, "worker_runtime_env", None)
-    worker_env = (worker_env.get("env_vars") or {}) if isinstance(worker_env, dict) else {}
-    shared = worker_env.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    shared = _runtime_env_vars(run_config).get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if shared:  # the workers' own choice first (Ray's way to configure them), then the driver's
         config.compilation_cache_dir = shared
         return
