@@ -18,13 +18,13 @@ def validate_axes(axes: AxesLike) -> Dict[str, int]:
     shape_hint = "mesh axes are a mapping such as {'dp': -1} or (name, size) pairs such as [('dp', 2), ('tp', 4)]"
     if isinstance(axes, (str, bytes)) or not isinstance(axes, (Mapping, Iterable)):
         raise ValueError(f"Mesh axes {axes!r}: {shape_hint}.")
-    if not isinstance(axes, Mapping):
-        axes = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else item
-                for item in axes]  # zip(names, sizes), dict.items(), a generator, an array of pairs
-    if not isinstance(axes, Mapping) and any(isinstance(item, (str, bytes)) or not isinstance(item, Sequence)
-                                             or len(item) != 2 for item in axes):
-        raise ValueError(f"Mesh axes {list(axes)!r}: {shape_hint}.")
-    items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(item) for item in axes]
+    if isinstance(axes, Mapping):
+        items = list(axes.items())
+    else:  # pairs: a list, zip(names, sizes), dict.items(), a generator, an array of pairs
+        items = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else item
+                 for item in axes]
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in items):
+            raise ValueError(f"Mesh axes {items!r}: {shape_hint}.")
     if not items:
         raise ValueError("A mesh needs at least one axis, e.g. {'dp': -1}.")
     names = [name for name, _ in items]

@@ -283,14 +283,7 @@ class ExperimentConfig(_Section):
         search whose every trial fails. Searches with more combinations than `max_combinations` are not checked."""
         data = self.model_dump(mode="json")
         data["tune"] = None
-        candidates = {}
-        for key, spec in self.tune.param_space.items():
-            kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
-            if kind == "randint":
-                values = [values[0], values[1] - 1]  # the high end is exclusive
-            elif kind in ("uniform", "loguniform", "quniform"):
-                values = values[:2]
-            candidates[key] = values
+        candidates = {key: search_candidates(spec) for key, spec in self.tune.param_space.items()}
         if math.prod(len(v) for v in candidates.values()) > max_combinations:
             return
         keys = list(candidates)
@@ -717,6 +710,25 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> No
         raise ConfigError(f"model.init_from: {exc}") from None
 
 
+def hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
+    """`model.init_from` when it is a Hugging Face directory with a tokenizer: the ids its weights were trained on."""
+    hf_dir = config.hf_init_dir()
+    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
+                                  for name in ("tokenizer.json", "tokenizer_config.json")):
+        return hf_dir
+    return None
+
+
+def search_candidates(spec: Any) -> List[Any]:
+    """The values a search space entry can give, ranges as their two ends (randint's high end is exclusive)."""
+    kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
+    if kind == "randint":
+        return [values[0], values[1] - 1]
+    if kind in ("uniform", "loguniform", "quniform"):
+        return list(values[:2])
+    return list(values)
+
+
 def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):
     """The configured tokenizer, or one trained now on the data and saved in `directory` (offline).
 
@@ -729,9 +741,8 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
-    hf_dir = config.hf_init_dir()
-    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
-                                  for name in ("tokenizer.json", "tokenizer_config.json")):
+    hf_dir = hf_tokenizer_dir(config)
+    if hf_dir is not None:
         return ensure_pad_token(load_tokenizer(hf_dir))  # the weights' own ids: a tokenizer trained now has others
     if reuse and exists(join(directory, "tokenizer.json")):
         logging.getLogger(__name__).warning(

@@ -19,7 +19,8 @@ import os
 from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
-                                      check_cluster_fits, ensure_tokenizer, parse_config, read_file)
+                                      check_cluster_fits, ensure_tokenizer, hf_tokenizer_dir, parse_config, read_file,
+                                      search_candidates)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -98,26 +99,10 @@ def require_param_space(config: ExperimentConfig) -> None:
                           "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
 
 
-def _hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
-    """`model.init_from` when it is a Hugging Face directory with a tokenizer: the ids its weights were trained on."""
-    hf_dir = config.hf_init_dir()
-    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
-                                  for name in ("tokenizer.json", "tokenizer_config.json")):
-        return hf_dir
-    return None
-
-
 def _longest_trial(base_steps: int, param_space: Dict[str, Any]) -> int:
     """The most optimizer steps any trial can run: the base's, or the largest searched `training.total_steps`."""
     spec = param_space.get("training.total_steps")
-    if spec is None:
-        return base_steps
-    kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
-    if kind == "randint":
-        return int(values[1]) - 1  # exclusive high end
-    if kind in ("uniform", "loguniform", "quniform"):
-        return int(values[1])
-    return max(int(v) for v in values)
+    return base_steps if spec is None else max(int(v) for v in search_candidates(spec))
 
 
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
@@ -169,8 +154,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
     base = base.with_absolute_paths()
     storage = base.run.storage_path
-    tokenizer_path = base.tokenizer.path or _hf_tokenizer_dir(base) or os.path.join(storage, name, "tokenizer")
-    if base.tokenizer.path is None and tokenizer_path != _hf_tokenizer_dir(base):
+    tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or os.path.join(storage, name, "tokenizer")
+    if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
         # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.
         ensure_tokenizer(base, tokenizer_path, reuse=True)

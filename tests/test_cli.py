@@ -346,7 +346,7 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     # A search from a directory with its own tokenizer gives the trials that tokenizer (they looked for one in the
     # search's directory, which nothing wrote: every trial failed).
     from ray_jax_train.text import train_tokenizer
-    from ray_jax_train.tune import _hf_tokenizer_dir
+    from ray_jax_train.run_config import hf_tokenizer_dir as _hf_tokenizer_dir
 
     assert _hf_tokenizer_dir(config) is None
     train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
