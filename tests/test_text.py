@@ -177,6 +177,20 @@ def test_chat_label_mask_covers_exactly_assistant_tokens(tokenizer):
     assert loss.sum() == mask.sum()
 
 
+def test_assistant_content_starting_with_newlines_matches_the_generation_prompt():
+    """A header ending in "\n" BPE-merged with content's leading newlines: the trained sequence then held a
+    "\n\n" token the generation prompt never ends with, and the header's newline was marked for the loss."""
+    tok = train_tokenizer(["hello world\n\n\nfoo bar\n\n\n\n baz"] * 50, 300, min_frequency=1)
+    assert tok.convert_tokens_to_ids(tok.tokenize("\n\n\n"))[0] != tok.convert_tokens_to_ids(tok.tokenize("\n"))[0]
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\n\nhello world"}]
+    docs, masks = encode_chats(tok, [conv])
+    prompt = tok.apply_chat_template(conv[:1], tokenize=True, add_generation_prompt=True,
+                                     return_dict=True)["input_ids"]
+    assert docs[0][:len(prompt)].tolist() == list(prompt)
+    assert masks[0][:len(prompt)].sum() == 0 and masks[0][len(prompt):].all()
+    assert tok.decode(docs[0][len(prompt):]) == "\n\nhello world" + tok.eos_token
+
+
 def test_messages_without_chat_template_is_an_error(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = None
@@ -264,7 +278,7 @@ def test_process_messages_data(tokenizer):
     prompt = CHAT[:2]
     out = process_messages_data(tokenizer, prompt, 64, "left", add_generation_prompt=True)
     real = out["input_ids"][out["attention_mask"] == 1]
-    header = tokenizer("<|assistant|>\n")["input_ids"]
+    header = tokenizer("<|assistant|>")["input_ids"]
     assert real[-len(header):].tolist() == header
     assert real[0] == tokenizer.bos_token_id and out["attention_mask"][0] == 0
     full = process_sample_data(tokenizer, {"messages": CHAT}, 64, "right")

@@ -15,20 +15,22 @@ EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
-# Every turn is "<|role|>\n" + content + eos. Assistant content and its closing eos sit inside
+# Every turn is "<|role|>" + content + eos. Assistant content and its closing eos sit inside
 # {% generation %} so apply_chat_template(return_assistant_tokens_mask=True) marks exactly the
 # tokens the model should learn to produce, including when to stop; the role header is prompt.
+# The header is the special token alone: a "\n" after it would BPE-merge with content that starts
+# with a newline, so training would see a token the generation prompt never ends with.
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{{ '<|' + message['role'] + '|>' }}"
     "{% if message['role'] == 'assistant' %}"
     "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
     "{% else %}"
     "{{ message['content'] + eos_token }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
 
