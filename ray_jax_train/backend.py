@@ -449,7 +449,7 @@ def _setup_worker(
         raise DistributedStartError(f"jax.distributed.initialize failed on process {process_id} of "
                                     f"{num_processes} (coordinator {coordinator}): {exc}") from exc
     _state.config = config
-    _answer_a_second_initialize(num_processes, process_id)
+    _answer_a_second_initialize(num_processes, process_id, coordinator)
     return {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
@@ -458,10 +458,11 @@ def _setup_worker(
     }
 
 
-def _answer_a_second_initialize(num_processes: int, process_id: int) -> None:
+def _answer_a_second_initialize(num_processes: int, process_id: int, coordinator: str) -> None:
     """Loops written for Ray's JaxTrainer on CPU, which sets nothing up, call `jax.distributed.initialize()`
     themselves; JAX refused that call here ("must be called before any JAX calls"). One that asks for this job, or
-    for nothing in particular, is answered as done; one that asks for another job is refused naming the fix."""
+    for nothing in particular, is answered as done; one that asks for another job is refused naming the fix. Another
+    coordinator address for this same job (a loop computing its own) is only logged: the processes already agree."""
     import inspect
 
     import jax
@@ -483,6 +484,13 @@ def _answer_a_second_initialize(num_processes: int, process_id: int) -> None:
                 f"ray_jax_train's JaxTrainer has already joined to its job as process {process_id} of "
                 f"{num_processes}. Remove the call, or pass JaxConfig(distributed=False) to set up "
                 "jax.distributed yourself.")
+        address = asked.get("coordinator_address")
+        if address is not None and address != coordinator:
+            logger.warning("jax.distributed.initialize(coordinator_address=%r) in a worker already joined through "
+                           "the JaxTrainer's coordinator %s (process %d of %d): the address is ignored. Remove the "
+                           "call, or pass JaxConfig(distributed=False) to set up jax.distributed yourself.",
+                           address, coordinator, process_id, num_processes)
+            return
         logger.info("jax.distributed is already initialized by the JaxTrainer (process %d of %d); the loop's "
                     "jax.distributed.initialize() call changes nothing.", process_id, num_processes)
 

@@ -1,5 +1,6 @@
 """The core: real Ray workers forming one jax.distributed job on CPU, meshes, and sharded Ray Data batches."""
 import json
+import logging
 import os
 import sys
 import time
@@ -43,7 +44,12 @@ def _collectives_and_batches(config):
     # A loop written for Ray's JaxTrainer (which sets nothing up on CPU) joins the job itself: answered as done,
     # or refused naming the fix when it asks for another job (JAX said "must be called before any JAX calls").
     jax.distributed.initialize()
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("ray_jax_train.backend").addHandler(handler)
     jax.distributed.initialize("ignored:1234", num_processes=2, process_id=jax.process_index())
+    out["coordinator_warning"] = [m for m in warned if "'ignored:1234'" in m and "is ignored" in m]
     try:
         jax.distributed.initialize(num_processes=3)
     except RuntimeError as exc:
@@ -124,6 +130,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
     assert all("initialize(num_processes=3) in a worker" in info["second_initialize_error"] and
                "JaxConfig(distributed=False)" in info["second_initialize_error"] for info in ranks), ranks
+    assert all(len(info["coordinator_warning"]) == 1 for info in ranks), ranks
     assert all("the workers hold different rows" in info.get("resumable_error", "") for info in ranks), ranks
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
     # Every row of the 32-row dataset is seen exactly once across both workers.

@@ -332,6 +332,32 @@ def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_clus
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+def test_an_update_that_overflows_is_not_saved_although_its_loss_was_finite(ray_cluster, tmp_path):
+    """A learning rate past float32's range leaves step 1's loss and gradient norm finite (they come before the
+    update) and its weights infinite. The save of step 1 checks the state itself and stops; before, that checkpoint
+    was written and registered as the latest, so every resume restored infinite weights."""
+    import ray.data
+    from ray.train import TrainingFailedError
+
+    rows = packed_rows(16)
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=3, batch_size=4, max_sequence_length=SEQ, learning_rate=1e39,
+                             scheduler="constant", log_steps=4, save_steps=1, save_final_model=False,
+                             progress_bar=False)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 3},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="overflow", storage_path=str(tmp_path)), datasets={"train": dataset})
+    with pytest.raises(TrainingFailedError, match=r"Step 1's update made the weights or optimizer state "
+                                                  r"non-finite, although the step's loss and gradient norm were "
+                                                  r"finite") as failed:
+        trainer.fit()
+    assert "NonFiniteLossError" in str(failed.value)
+    assert not list((tmp_path / "overflow").glob("checkpoint_0*"))
+    assert json.loads((tmp_path / "overflow" / "nonfinite.json").read_text())["step"] == 1
+
+
 def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():
     """A checkpoint taken on an epoch's last batch resumes at the next epoch's first; an epoch that yields nothing
     from its start is the only error."""

@@ -14,6 +14,7 @@ The step runs asynchronously: losses stay on device and the host only waits at l
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -172,10 +173,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         return open_epoch(epoch, skip)
 
     def checkpoint_metrics() -> Dict[str, float]:
-        """Called only when a save starts: the steps since the last log step are checked first, so no state that
-        went NaN between log steps is saved (and rotates good checkpoints out)."""
+        """Called only when a save starts: the steps since the last log step, then the state itself, are checked
+        first, so no state that went NaN is saved (and rotates good checkpoints out)."""
         if pending:
             _stop_if_not_finite(_fetch(pending), step, checkpointer, remember)
+        _stop_if_state_not_finite(state, step, checkpointer, remember)
         return dict(last)
 
     def remember(bad_step: int, message: str) -> None:
@@ -378,6 +380,41 @@ def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpoi
     if remember is not None:
         remember(bad_step, message)
     raise NonFiniteLossError(message)
+
+
+def _stop_if_state_not_finite(state, step: int, checkpointer, remember: Callable[[int, str], None]) -> None:
+    """A step's loss and gradient norm are computed before its update, so an update that overflows (a learning rate
+    past float32's range, an optimizer dividing by a flushed-to-zero epsilon) leaves them finite and the weights
+    not. Checked on save steps only: one fused reduction over the state, small beside writing it."""
+    if _all_finite(state):
+        return
+    if checkpointer is not None:
+        checkpointer.wait(registered=True)
+    message = (
+        f"Step {step}'s update made the weights or optimizer state non-finite, although the step's loss and gradient "
+        "norm were finite, so the run stops before saving them (checkpoints saved before this step are kept). "
+        "Usual causes: a learning rate beyond float32's range or far too high, or an optimizer setting that "
+        "divides by zero (adam_epsilon too small to survive float32).")
+    remember(step, message)
+    raise NonFiniteLossError(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _finite_check():
+    import jax
+    import jax.numpy as jnp
+
+    def all_finite(tree):
+        floats = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats])) if floats else jnp.bool_(True)
+
+    return jax.jit(all_finite)
+
+
+def _all_finite(tree) -> bool:
+    import jax
+
+    return bool(jax.device_get(_finite_check()(tree)))
 
 
 def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
