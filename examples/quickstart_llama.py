@@ -84,6 +84,12 @@ def main(argv=None):
     print(f"throughput: {last.get('tokens_per_s', 0):.0f} tokens/s, MFU {100 * last.get('mfu', 0):.1f}% of the measured "
           "CPU matmul peak")
     print(f"outputs:    {result.path}  (metrics.jsonl, final_model/ with tokenizer)")
+    final_model = os.path.join(result.path, "final_model")
+    prompt = "Return the"
+    completion = rjt.generate_text(rjt.from_pretrained(final_model), rjt.load_tokenizer(final_model), prompt,
+                                   max_new_tokens=16)
+    print(f"sample:     {prompt!r} -> {completion!r}  (greedy; also: ray-jax-train generate {result.path} "
+          f"--prompt {prompt!r})")
     print(f"wall time:  {time.time() - started:.0f}s")
     if not last["loss"] < first["loss"] - 0.5:
         raise SystemExit(f"the loss did not fall clearly ({first['loss']:.3f} -> {last['loss']:.3f})")

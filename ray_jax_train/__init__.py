@@ -24,6 +24,8 @@ _LAZY = {
     "from_pretrained": "ray_jax_train.models",
     "save_pretrained": "ray_jax_train.models",
     "flops_per_token": "ray_jax_train.models",
+    "generate": "ray_jax_train.models",
+    "generate_text": "ray_jax_train.models",
     # the causal-LM trainer (EasyDeL's RayDistributedTrainer API, on Ray)
     "RayDistributedTrainer": "ray_jax_train.lm",
     "TrainingArguments": "ray_jax_train.lm",

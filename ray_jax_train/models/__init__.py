@@ -1,6 +1,8 @@
 """Model zoo: Llama-family causal LMs in Flax NNX and Hugging Face checkpoint conversion."""
+from ray_jax_train.models.generation import generate, generate_text
 from ray_jax_train.models.hf import from_pretrained, load_hf_config, save_pretrained
 from ray_jax_train.models.llama import (
+    KVCache,
     LlamaForCausalLM,
     count_params,
     create_model,
@@ -9,11 +11,14 @@ from ray_jax_train.models.llama import (
 )
 
 __all__ = [
+    "KVCache",
     "LlamaForCausalLM",
     "count_params",
     "create_model",
     "flops_per_token",
     "from_pretrained",
+    "generate",
+    "generate_text",
     "load_hf_config",
     "num_params",
     "save_pretrained",

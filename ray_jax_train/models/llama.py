@@ -8,7 +8,7 @@ can be written as regexes over these paths.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from ray_jax_train.sharding import constrain
 __all__ = [
     "Attention",
     "DecoderLayer",
+    "KVCache",
     "LlamaForCausalLM",
     "MLP",
     "RMSNorm",
@@ -155,6 +156,18 @@ class Attention(nnx.Module):
         self.o_proj = _dense(cfg, self.num_heads * d, h, cfg.attention_out_bias, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        return self._attend(*self._project(x, cos, sin), mask)
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, keys: jax.Array,
+               values: jax.Array, index: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention of the new tokens ``x`` over a layer's cache ``[b, slots, kv, d]``, after writing their keys
+        and values at slot ``index``; ``mask`` is ``[b, s, slots]``. Returns (output, keys, values)."""
+        q, k, v = self._project(x, cos, sin)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), index, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), index, axis=1)
+        return self._attend(q, keys, values, mask), keys, values
+
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         b, s, _ = x.shape
         kv, d = self.num_kv_heads, self.head_dim
         groups = self.num_heads // kv
@@ -167,6 +180,10 @@ class Attention(nnx.Module):
         q = constrain(q.reshape(b, s, kv, groups, d), ("batch", "seq", "heads", None, None))
         k = constrain(k, ("batch", None, "heads", None))
         v = constrain(v, ("batch", None, "heads", None))
+        return q, k, v
+
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        b, s, _, _, d = q.shape
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
         scores = constrain(scores * (d ** -0.5), ("batch", "heads", None, "seq", None))
         scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
@@ -205,6 +222,12 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         x = constrain(x, _RESIDUAL)
         return constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
+
+    def decode(self, x, cos, sin, mask, keys, values, index):
+        """``__call__`` on new tokens against this layer's KV cache (see ``Attention.decode``)."""
+        h, keys, values = self.self_attn.decode(self.input_layernorm(x), cos, sin, mask, keys, values, index)
+        x = constrain(x + h, _RESIDUAL)
+        return constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL), keys, values
 
 
 def init_parts(config: LlamaConfig) -> List[Tuple[Tuple[Any, ...], Callable[[nnx.Rngs], nnx.Module]]]:
@@ -251,6 +274,40 @@ def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
 _run_layer_remat = nnx.remat(_run_layer)
 
 
+class KVCache(NamedTuple):
+    """Keys and values of the tokens seen so far, in a fixed number of slots so that decoding never changes shape.
+
+    ``keys``/``values``: one ``[batch, slots, kv_heads, head_dim]`` array per layer; ``mask``: ``[batch, slots]``,
+    1 where a slot holds a real token; ``index``: the next slot to fill. One index serves the whole batch:
+    prompts are left-padded, so every row's next token goes to the same slot.
+    """
+
+    keys: Tuple[jax.Array, ...]
+    values: Tuple[jax.Array, ...]
+    mask: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def create(cls, config: LlamaConfig, batch: int, slots: int) -> "KVCache":
+        shape = (batch, slots, config.num_key_value_heads, config.head_dim)
+        layers = config.num_hidden_layers
+        return cls(keys=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
+                   values=tuple(jnp.zeros(shape, config.jnp_dtype) for _ in range(layers)),
+                   mask=jnp.zeros((batch, slots), jnp.int32), index=jnp.zeros((), jnp.int32))
+
+
+def _cache_attention_mask(slot_mask: jax.Array, index: jax.Array, seq: int,
+                          sliding_window: Optional[int]) -> jax.Array:
+    """Boolean [batch, seq, slots] mask of new tokens (in slots index, index+1, ...) over the cache slots:
+    causal and windowed by slot, as ``make_attention_mask`` is by column, minus slots without a real token."""
+    q_idx = index + jnp.arange(seq)[:, None]
+    k_idx = jnp.arange(slot_mask.shape[1])[None, :]
+    allowed = k_idx <= q_idx
+    if sliding_window is not None:
+        allowed = allowed & (k_idx > q_idx - sliding_window)
+    return allowed[None] & (slot_mask[:, None, :] != 0)
+
+
 class LlamaForCausalLM(nnx.Module):
     """Decoder-only LM returning float32 logits ``[batch, seq, vocab]``.
 
@@ -258,6 +315,7 @@ class LlamaForCausalLM(nnx.Module):
     ``attention_mask`` is HF's [batch, seq] 1/0 padding mask (left or right padding); positions then
     skip the padding like HF generation. ``segment_ids`` (0 = padding) makes attention block-diagonal
     for packed rows, and positions restart per segment unless ``positions`` is given.
+    ``decode`` runs new tokens against a ``KVCache``, for generation (``ray_jax_train.models.generate``).
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs] = None):
@@ -295,8 +353,38 @@ class LlamaForCausalLM(nnx.Module):
         run = _run_layer_remat if cfg.remat else _run_layer
         for layer in self.layers:
             x = run(layer, x, cos, sin, mask)
+        return self._logits(x)
+
+    def decode(self, input_ids: jax.Array, cache: KVCache,
+               attention_mask: Optional[jax.Array] = None) -> Tuple[jax.Array, KVCache]:
+        """Run ``input_ids`` [batch, s] after the tokens in ``cache``: a left-padded prompt, then one token a step.
+
+        Returns the float32 logits of the last token [batch, vocab] and the cache with these tokens added.
+        ``attention_mask`` marks padding among ``input_ids`` (default: none); positions continue each row's count
+        of real tokens, as ``positions_from_mask`` numbers the whole sequence.
+        """
+        cfg = self.config
+        b, s = input_ids.shape
+        new = jnp.ones((b, s), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        positions = jnp.sum(cache.mask, axis=1, keepdims=True) + jnp.cumsum(new, axis=1) - 1
+        positions = jnp.where(new == 0, 1, positions)
+        slot_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, new, cache.index, axis=1)
+        mask = _cache_attention_mask(slot_mask, cache.index, s, cfg.sliding_window)
+        cos, sin = _rope_cos_sin(positions, rope_inv_freq(cfg))
+
+        x = constrain(self._embed(input_ids).astype(cfg.jnp_dtype), _RESIDUAL)
+        keys, values = [], []
+        for layer, k, v in zip(self.layers, cache.keys, cache.values):
+            x, k, v = layer.decode(x, cos, sin, mask, k, v, cache.index)
+            keys.append(k)
+            values.append(v)
+        # Only the last token's logits: a prompt's full [batch, s, vocab] would be most of prefill's memory.
+        logits = self._logits(x[:, -1:])[:, 0]
+        return logits, KVCache(tuple(keys), tuple(values), slot_mask, cache.index + s)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
         x = self.norm(x)
-        if cfg.tie_word_embeddings:
+        if self.config.tie_word_embeddings:
             logits = _embed_attend(self.embed_tokens, x)
         else:
             logits = self.lm_head(x)

@@ -1,0 +1,166 @@
+"""Text generation: the KV-cached decode against full forward passes and transformers, sampling, errors and the CLI."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from ray_jax_train.cli import main
+from ray_jax_train.config import LlamaConfig
+from ray_jax_train.models import create_model, generate, generate_text, save_pretrained
+from ray_jax_train.text import local_corpus, train_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Grouped-query attention (4 query heads share 2 key/value heads).
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0)
+
+
+def random_model(seed=0, **overrides):
+    """Random weights set from numpy: skips eager JAX init, which compiles every random op."""
+    model = create_model(LlamaConfig(**{**TINY, **overrides}), lazy=True)
+    rng = np.random.default_rng(seed)
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype),
+                                   nnx.state(model)))
+    return model
+
+
+def left_padded(lengths, width, vocab=TINY["vocab_size"], seed=1):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, size=(len(lengths), width)).astype(np.int32)
+    mask = (np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]).astype(np.int32)
+    return np.where(mask == 1, ids, 0), mask
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return left_padded([7, 3, 5], 7)
+
+
+@pytest.fixture(scope="module")
+def greedy(model, prompts):
+    return np.asarray(generate(model, *prompts, max_new_tokens=12))
+
+
+@nnx.jit
+def forward(model, ids, mask):
+    return model(ids, mask)
+
+
+def test_cached_greedy_equals_recomputing_the_whole_sequence():
+    # A window shorter than the sequences, so the cache's window mask is exercised too.
+    model = random_model(seed=3, model_type="mistral", sliding_window=5)
+    ids, mask = left_padded([7, 2, 5], 7)
+    n = 10
+    out = np.asarray(generate(model, ids, mask, max_new_tokens=n))
+    # The reference re-runs the full forward pass on one fixed-width buffer: the still-empty columns lie in every
+    # earlier position's causal future, so they change nothing, and one compiled program serves every step.
+    buf = np.concatenate([ids, np.zeros((3, n), np.int32)], axis=1)
+    buf_mask = np.concatenate([mask, np.ones((3, n), np.int32)], axis=1)
+    for t in range(n):
+        logits = np.asarray(forward(model, jnp.asarray(buf), jnp.asarray(buf_mask)))
+        buf[:, 7 + t] = logits[:, 6 + t].argmax(-1)
+    np.testing.assert_array_equal(out, buf[:, 7:])
+    assert len(set(out[0].tolist())) > 1, "degenerate reference: the model repeats one token"
+
+
+def test_greedy_tokens_match_transformers_generate(model, prompts, greedy, tmp_path):
+    save_pretrained(model, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids, mask = prompts
+    with torch.no_grad():
+        hf_out = hf.generate(torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask),
+                             max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(greedy, hf_out[:, ids.shape[1]:].numpy())
+
+
+def test_eos_ends_a_row_and_pads_after_it(model, prompts, greedy):
+    eos = int(greedy[0, 2])
+    out = np.asarray(generate(model, *prompts, max_new_tokens=12, eos_token_id=[127, eos], pad_token_id=-1))
+    for row, ref in zip(out, greedy):
+        hits = np.flatnonzero((ref == eos) | (ref == 127))
+        end = hits[0] + 1 if len(hits) else len(ref)
+        np.testing.assert_array_equal(row[:end], ref[:end])
+        assert (row[end:] == -1).all()
+    assert (out[0, 3:] == -1).all()
+
+
+def test_sampling_is_seeded_and_narrows_to_greedy(model, prompts, greedy):
+    a = np.asarray(generate(model, *prompts, max_new_tokens=12, temperature=1.0, seed=3))
+    np.testing.assert_array_equal(a, generate(model, *prompts, max_new_tokens=12, temperature=1.0, seed=3))
+    assert not np.array_equal(a, generate(model, *prompts, max_new_tokens=12, temperature=1.0, seed=4))
+    assert not np.array_equal(a, greedy)
+    np.testing.assert_array_equal(greedy, generate(model, *prompts, max_new_tokens=12, temperature=0.7, top_k=1))
+    # A nucleus this small holds only the likeliest token.
+    np.testing.assert_array_equal(greedy, generate(model, *prompts, max_new_tokens=12, temperature=2.0,
+                                                   top_p=1e-6, seed=5))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(max_new_tokens=62), "exceeds the model's max_position_embeddings=64"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(input_ids=np.zeros((2, 0), np.int32)), "at least one column"),
+    (dict(attention_mask=np.array([[0, 0, 0], [1, 1, 1]])), r"rows \[0\] have an empty prompt"),
+    (dict(attention_mask=np.array([[1, 1, 0], [1, 1, 1]])), "must be left-padded"),
+    (dict(input_ids=np.array([[1, 2, 128], [1, 2, 3]])), "outside \\[0, vocab_size=128\\)"),
+])
+def test_bad_arguments_are_refused_before_compiling(model, change, message):
+    kwargs = {**dict(input_ids=np.array([[1, 2, 3], [4, 5, 6]]), attention_mask=None, max_new_tokens=4), **change}
+    with pytest.raises(ValueError, match=message):
+        generate(model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A run directory with a final_model/ as the LM loop writes it: HF safetensors plus the tokenizer."""
+    tokenizer = train_tokenizer(local_corpus(max_total_chars=20_000), vocab_size=300)
+    run = tmp_path_factory.mktemp("run")
+    model = random_model(seed=2, vocab_size=len(tokenizer))
+    save_pretrained(model, run / "final_model")
+    tokenizer.save_pretrained(run / "final_model")
+    return run, model, tokenizer
+
+
+def test_generate_text_for_text_and_chat_prompts(model_dir):
+    _, model, tokenizer = model_dir
+    chat = [{"role": "user", "content": "What is JAX?"}]
+    text, answer = generate_text(model, tokenizer, ["Once upon a time", chat], max_new_tokens=8)
+    assert generate_text(model, tokenizer, "Once upon a time", max_new_tokens=8) == text
+    assert generate_text(model, tokenizer, chat, max_new_tokens=8) == answer
+    prompt = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                           add_generation_prompt=True)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(prompt[-1]) == "<|assistant|>"
+    ids = np.asarray(generate(model, np.array([prompt]), max_new_tokens=8, eos_token_id=tokenizer.eos_token_id))[0]
+    ids = ids[:list(ids).index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in ids else ids
+    assert answer == tokenizer.decode(ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="no prompts"):
+        generate_text(model, tokenizer, [], max_new_tokens=8)
+
+
+def test_cli_generate_prints_the_completion(model_dir):
+    run, model, tokenizer = model_dir
+    expected = generate_text(model, tokenizer, "Once upon a time", max_new_tokens=6)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, "-m", "ray_jax_train", "generate", str(run), "--prompt", "Once upon a time",
+                           "--max-new-tokens", "6"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    # The model directory itself works as well; mistakes exit 2 with a message.
+    assert main(["generate", str(run / "final_model"), "--prompt", "Hi", "--chat", "--max-new-tokens", "4"]) == 0
+    assert main(["generate", str(run), "--prompt", "Hi", "--top-p", "2"]) == 2
+    assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2
