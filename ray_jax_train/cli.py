@@ -3,6 +3,7 @@
     ray-jax-train fit examples/tiny_llama.yaml --set training.total_steps=50
     ray-jax-train tune examples/tune_tiny_llama.yaml
     ray-jax-train plot runs/tiny-llama
+    ray-jax-train generate runs/tiny-llama --prompt "Once upon a time"
     ray-jax-train config show examples/tiny_llama.yaml --set scaling.num_workers=2
     ray-jax-train config validate examples/tiny_llama.yaml
 
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 
 from ray_jax_train.storage import absolute, exists
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 _NOISY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune", "jax", "absl", "orbax", "ray_jax_train")
 
@@ -49,11 +50,28 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     sub.add_parser("fit", parents=[with_config, with_ray], help="train the model a config describes")
-    sub.add_parser("tune", parents=[with_config, with_ray], help="run the config's hyperparameter search")
+    tune = sub.add_parser("tune", parents=[with_config, with_ray], help="run the config's hyperparameter search")
+    tune.add_argument("--resume", action="store_true",
+                      help="continue the search saved under this tune.name if there is one (else start it): "
+                           "finished trials are kept, unfinished ones resume from their latest checkpoints; the "
+                           "config must be the one it started with")
+    tune.add_argument("--resume-errored", action="store_true",
+                      help="with --resume, also run failed trials again from their latest checkpoints")
     plot = sub.add_parser("plot", parents=[common], help="write PNG curves of loss, learning rate and tokens/s")
     plot.add_argument("run_dir", help="a run directory (<storage_path>/<run name>) with metrics.jsonl")
     plot.add_argument("-o", "--output", default=None, help="PNG path (default: RUN_DIR/curves.png)")
     plot.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1) (default 0.6)")
+    gen = sub.add_parser("generate", parents=[common], help="complete a prompt with a saved model (no Ray)")
+    gen.add_argument("model_dir", help="a run directory (its final_model/ is used) or a Hugging Face model directory "
+                                       "(config.json, *.safetensors, tokenizer files)")
+    gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the chat template")
+    gen.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory's)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to add (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens")
+    gen.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens holding P")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     config = sub.add_parser("config", parents=[common], help="show or validate a config")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     config_sub.required = True
@@ -208,17 +226,28 @@ def _summary(args, result, info, started: float) -> None:
 
 
 def cmd_tune(args) -> int:
+    import shlex
+
     from ray_jax_train import tune
     from ray_jax_train.run_config import ConfigError, load_config
 
     config = load_config(args.config, args.overrides)  # validate before Ray starts
     tune.require_param_space(config)
+    resume = args.resume or args.resume_errored
+    if resume:
+        tune.can_resume(config)  # a changed config is refused before Ray starts
     _connect(config, args.address, args.verbose)
     started = time.time()
     try:
-        outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose)
+        outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose, resume=resume,
+                           resume_errored=args.resume_errored)
     except (ConfigError, FileNotFoundError):
         raise
+    except tune.SearchInterrupted as exc:
+        command = ("ray-jax-train tune " + shlex.quote(args.config)
+                   + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
+        print(f"[ray-jax-train] {exc}\n[ray-jax-train] resume:  {command}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:
         return _training_failed(exc, args.verbose, absolute(config.run.storage_path))
     grid = outcome.results
@@ -253,6 +282,31 @@ def cmd_plot(args) -> int:
     return EXIT_OK
 
 
+def cmd_generate(args) -> int:
+    from ray_jax_train.models import from_pretrained, generate_text
+    from ray_jax_train.text import load_tokenizer
+
+    model_dir = args.model_dir
+    if os.path.isfile(os.path.join(model_dir, "final_model", "config.json")):
+        model_dir = os.path.join(model_dir, "final_model")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise UsageError(f"{args.model_dir}: neither a model directory (config.json and *.safetensors) nor a run "
+                         "directory with a final_model/ (a run writes it when training ends)")
+    tokenizer_dir = args.tokenizer or model_dir
+    if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer_config.json")):
+        raise UsageError(f"{tokenizer_dir} holds no tokenizer (a run saves one beside its final model only when it "
+                         "trained with one); pass --tokenizer DIR")
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        text = generate_text(from_pretrained(model_dir), load_tokenizer(tokenizer_dir), prompt,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:  # a bad checkpoint, prompt or sampling setting: a message, not a traceback
+        raise UsageError(str(exc)) from None
+    print(text)
+    return EXIT_OK
+
+
 def cmd_config(args) -> int:
     from ray_jax_train.run_config import dump, load_config
 
@@ -276,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _quiet(args.verbose)
     from ray_jax_train.run_config import ConfigError
 
-    handlers = {"fit": cmd_fit, "tune": cmd_tune, "plot": cmd_plot, "config": cmd_config}
+    handlers = {"fit": cmd_fit, "tune": cmd_tune, "plot": cmd_plot, "generate": cmd_generate, "config": cmd_config}
     try:
         return handlers[args.command](args)
     except (ConfigError, UsageError) as exc:
@@ -291,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         print("ray-jax-train: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def run_main() -> None:

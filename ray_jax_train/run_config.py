@@ -158,7 +158,8 @@ class RunSection(_Section):
 
 
 class SchedulerSection(_Section):
-    """Early stopping for Tune trials; `grace_period` and `max_t` (default total_steps + 1) are optimizer steps."""
+    """Early stopping for Tune trials; `grace_period` and `max_t` are optimizer steps. `max_t` is one past the longest
+    trial's total_steps (one below it is refused); set it only when trials run by epochs, without total_steps."""
 
     type: Literal["asha", "fifo", "median"] = "asha"
     grace_period: int = Field(1, ge=1)
@@ -275,7 +276,23 @@ class ExperimentConfig(_Section):
                                   "Search model.seed to vary the initial weights, or set "
                                   "training.shuffle_buffer_size to vary the data order")
             self._check_trial_values()
+            self._check_max_t(args)
         return self
+
+    def _check_max_t(self, args: TrainingArguments) -> None:
+        """ASHA stops every trial at `max_t` steps, however long its `total_steps`: such a trial ends mid-schedule,
+        without its final checkpoint (at max_t == its total_steps, at the log report just before it), and Tune
+        counts it as finished, so it could win the search. (max_t at or above the longest trial is raised to one
+        past it.)"""
+        s = self.tune.scheduler
+        spec = self.tune.param_space.get("training.total_steps")
+        longest = args.total_steps if spec is None else max(int(v) for v in search_candidates(spec))
+        if s.type == "asha" and s.max_t is not None and longest and s.max_t < longest:
+            raise ConfigError(
+                f"tune.scheduler.max_t={s.max_t} is below the longest trial's training.total_steps ({longest}): ASHA "
+                f"would stop those trials at step {s.max_t}, mid-schedule and without their final checkpoint, and "
+                "count them as finished. Leave max_t out (ASHA then runs a trial to its end; grace_period and "
+                f"reduction_factor still stop weak trials early), or search training.total_steps only up to {s.max_t}")
 
     def _check_trial_values(self, max_combinations: int = 256) -> None:
         """Every listed value and range end of the search must make a valid config with some choice of the other

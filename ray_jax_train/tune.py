@@ -6,6 +6,10 @@ RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Schedulers mea
 cut off before its last checkpoint. The tokenizer is trained once on the driver and shared, so trials differ
 only in what the param space changes. The best trial is written to `<storage>/<search name>/best.json`.
 
+An interrupted search (Ctrl-C, a killed driver, a lost head node) continues with `run(..., resume=True)`
+(`ray-jax-train tune --resume`): Tune's `Tuner.restore` keeps the finished trials, and each unfinished one runs
+its Train run again under the same name, which resumes from that run's latest checkpoint.
+
     outcome = ray_jax_train.tune.run("examples/tune_tiny_llama.yaml")
     params = outcome.restore_best_params()            # or later: restore_best("runs/tune-tiny-llama")
 """
@@ -14,17 +18,27 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 from typing import Any, Dict, Optional, Sequence, Union
 
-from ray_jax_train.run_config import (ConfigError, ExperimentConfig, TuneSection, apply_overrides, build_trainer,
-                                      check_cluster_fits, ensure_tokenizer, hf_tokenizer_dir, parse_config, read_file,
-                                      search_candidates)
+from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
+                                      apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
+                                      hf_tokenizer_dir, parse_config, read_file, search_candidates)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
 from ray_jax_train.trainer import env_unless_set
 
-__all__ = ["TuneOutcome", "restore_best", "run", "search_space"]
+__all__ = ["SearchInterrupted", "TuneOutcome", "can_resume", "restore_best", "run", "search_space"]
+
+logger = logging.getLogger(__name__)
+
+# The effective config a search started with, in its directory: a resume must be the same search.
+SEARCH_CONFIG = "search_config.json"
+
+
+class SearchInterrupted(RuntimeError):
+    """The search stopped before all its trials finished (Ctrl-C); its state is saved and `resume=True` continues it."""
 
 
 def search_space(param_space: Dict[str, Any]) -> Dict[str, Any]:
@@ -99,6 +113,89 @@ def require_param_space(config: ExperimentConfig) -> None:
                           "tune: {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}}")
 
 
+def search_config(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequence[str] = (),
+                  param_space: Optional[Dict[str, Any]] = None,
+                  num_samples: Optional[int] = None) -> ExperimentConfig:
+    """The effective, checked config of a search, its local paths absolute (a trial runs in a directory of its own)."""
+    if isinstance(config, str):
+        data = apply_overrides(read_file(config), overrides)
+    elif isinstance(config, ExperimentConfig):
+        data = apply_overrides(config.model_dump(mode="json", exclude_none=False), overrides)
+    else:
+        data = apply_overrides(config, overrides)
+    data.setdefault("tune", {})
+    if data["tune"] is None:
+        data["tune"] = {}
+    if param_space is not None:
+        data["tune"]["param_space"] = param_space
+    if num_samples is not None:
+        data["tune"]["num_samples"] = num_samples
+    base = parse_config(data)
+    require_param_space(base)
+    return base.with_absolute_paths()
+
+
+def search_name(config: ExperimentConfig) -> str:
+    """`tune.name`, else `tune-<run.name>`, else a new timestamped name."""
+    # Never a fit's directory: run.name "foo" searched in <storage>/foo, where `fit` with that name writes.
+    return config.tune.name or f"tune-{config.run_name()}"
+
+
+def can_resume(config: ExperimentConfig) -> bool:
+    """Whether the search `config` describes was started before and can continue; said before Ray starts.
+
+    ConfigError when the search has no stable name to find it by, or was started with another config: resuming
+    it would add trials of one search to the results of another.
+    """
+    from ray.tune import Tuner
+
+    config = config.with_absolute_paths()
+    if config.tune is None or not (config.tune.name or config.run.name):
+        raise ConfigError("tune.name: a search resumes by its name, and without tune.name (or run.name) each "
+                          "search gets a new timestamped one; set tune.name")
+    experiment_dir = join(config.run.storage_path, search_name(config))
+    if not Tuner.can_restore(experiment_dir):
+        return False
+    saved = join(experiment_dir, SEARCH_CONFIG)
+    try:
+        started = json.loads(read_text(saved))
+    except FileNotFoundError:
+        logger.warning("%s has no %s (a search started by an older ray_jax_train): resuming it without checking "
+                       "that its config is this one.", experiment_dir, SEARCH_CONFIG)
+        return True
+    changed = _differences(started, _comparable(config))
+    if changed:
+        shown = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed[:6])
+        more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
+        raise ConfigError(f"tune: the search in {experiment_dir} was started with another config ({shown}{more}), "
+                          "and resuming it would mix the two searches' trials. Resume it with the config it started "
+                          f"with (saved as {saved}, which `ray-jax-train tune {saved} --resume` reads), or give the "
+                          "new search another tune.name")
+    return True
+
+
+def _comparable(config: ExperimentConfig) -> Dict[str, Any]:
+    """What makes two searches the same one, as a plain config: everything but where the cluster is, training
+    defaults filled in (a default written out is no change). It reads back as the same search."""
+    data = json.loads(json.dumps(config.model_dump(mode="json")))
+    args = config.training_arguments().model_dump(mode="json")
+    data["training"] = {k: v for k, v in args.items() if k not in MOVED_TRAINING_KEYS}
+    data["run"].pop("address", None)
+    return json.loads(json.dumps(data))
+
+
+def _differences(old: Dict[str, Any], new: Dict[str, Any], prefix: str = ""):
+    """[(dotted key, old value, new value)] where two plain configs differ."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append((f"{prefix}{key}", a, b))
+    return out
+
+
 def _longest_trial(base_steps: int, param_space: Dict[str, Any]) -> int:
     """The most optimizer steps any trial can run: the base's, or the largest searched `training.total_steps`."""
     spec = param_space.get("training.total_steps")
@@ -122,38 +219,33 @@ def _scheduler(tune_cfg: TuneSection, total_steps: int):
 
 def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequence[str] = (),
         param_space: Optional[Dict[str, Any]] = None, num_samples: Optional[int] = None,
-        quiet: bool = True) -> TuneOutcome:
+        quiet: bool = True, resume: bool = False, resume_errored: bool = False) -> TuneOutcome:
     """Run the search described by the config's `tune:` section (or `param_space` / `num_samples` here).
 
     Ray must be initialised (the CLI does it). Trials run `max_concurrent_trials` at a time; with
     `scaling.gpus_per_worker` < 1 several trials share a GPU and JAX is told not to preallocate it.
+    `resume`: continue the search saved under this name if there is one (else start it): finished trials are
+    kept, unfinished ones resume from their latest checkpoints, and errored ones stay failed unless
+    `resume_errored`. The config must be the one the search started with (ConfigError otherwise).
     """
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    if isinstance(config, str):
-        data = apply_overrides(read_file(config), overrides)
-    elif isinstance(config, ExperimentConfig):
-        data = apply_overrides(config.model_dump(mode="json", exclude_none=False), overrides)
-    else:
-        data = apply_overrides(config, overrides)
-    data.setdefault("tune", {})
-    if data["tune"] is None:
-        data["tune"] = {}
-    if param_space is not None:
-        data["tune"]["param_space"] = param_space
-    if num_samples is not None:
-        data["tune"]["num_samples"] = num_samples
-    base = parse_config(data)
-    require_param_space(base)
+    base = search_config(config, overrides=overrides, param_space=param_space, num_samples=num_samples)
     tune_cfg = base.tune
     check_cluster_fits(base.scaling)
-
-    # Never a fit's directory: run.name "foo" searched in <storage>/foo, where `fit` with that name writes.
-    name = tune_cfg.name or f"tune-{base.run_name()}"
-    # Absolute: Ray runs each trial in a working directory of its own, where relative paths would miss.
-    base = base.with_absolute_paths()
-    storage = base.run.storage_path
+    name, storage = search_name(base), base.run.storage_path
+    experiment_dir = join(storage, name)
+    resuming = (resume or resume_errored) and can_resume(base)
+    if resuming:
+        logger.warning("Resuming the search in %s: finished trials are kept, unfinished ones continue from their "
+                       "latest checkpoints%s.", experiment_dir, ", errored ones too" if resume_errored else "")
+    elif resume or resume_errored:
+        # Not an error: a job that may be retried runs the same command, --resume included, every time.
+        logger.warning("No earlier search in %s to resume: starting it.", experiment_dir)
+    elif tune.Tuner.can_restore(experiment_dir):
+        logger.warning("%s holds an earlier search under this name; this one starts again with new trials "
+                       "(resume=True / `tune --resume` continues the earlier one instead).", experiment_dir)
     tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or os.path.join(storage, name, "tokenizer")
     if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
@@ -182,21 +274,40 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                                    callbacks=[TuneReportCallback()], quiet=quiet)
         trainer.fit()
 
-    args = base.training_arguments()  # ExperimentConfig.check has refused ASHA without max_t or total_steps
-    tuner = tune.Tuner(
-        tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus}),
-        param_space=search_space(tune_cfg.param_space),
-        tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
-                                    max_concurrent_trials=tune_cfg.max_concurrent_trials,
-                                    scheduler=_scheduler(tune_cfg, _longest_trial(args.total_steps or 0,
-                                                                                  tune_cfg.param_space))),
-        run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
-    )
+    trainable = tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus})
+    if resuming:
+        # Search space and scheduler come from the saved search (tuner.pkl), trials and the search algorithm's
+        # place from its last saved state. A resumed trial keeps its id, so its Train run, named after it, finds
+        # its own checkpoints in storage and the loop resumes from the latest (Tune holds no trial checkpoints).
+        tuner = tune.Tuner.restore(experiment_dir, trainable=trainable, resume_unfinished=True,
+                                   resume_errored=resume_errored)
+    else:
+        with local_dir_for(experiment_dir) as local:  # a URI too: written locally, copied up
+            with open(os.path.join(local, SEARCH_CONFIG), "w") as f:
+                json.dump(_comparable(base), f, indent=2)
+        args = base.training_arguments()  # ExperimentConfig.check has refused ASHA without max_t or total_steps
+        tuner = tune.Tuner(
+            trainable,
+            param_space=search_space(tune_cfg.param_space),
+            tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
+                                        max_concurrent_trials=tune_cfg.max_concurrent_trials,
+                                        scheduler=_scheduler(tune_cfg, _longest_trial(args.total_steps or 0,
+                                                                                      tune_cfg.param_space))),
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
+        )
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step
     # on), and Tune's strict check would stop the whole search at the first report without its metric; its
     # schedulers skip such reports anyway. The metric's name was checked on the driver (parse_config).
     with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
         results = tuner.fit()
+    expected = tune_cfg.num_samples * math.prod(len(spec["grid_search"]) for spec in tune_cfg.param_space.values()
+                                                if isinstance(spec, dict) and "grid_search" in spec)
+    unfinished = _unfinished_trials(experiment_dir, expected)
+    if unfinished:
+        # Tune catches Ctrl-C itself and returns what it has: the best of half-trained trials is no result.
+        raise SearchInterrupted(f"The search in {experiment_dir} was interrupted with {unfinished} of {expected} "
+                                "trials unfinished; its state is saved, and resume=True (`ray-jax-train tune CONFIG "
+                                "--resume`) continues it.")
     errors = [r.error for r in results if r.error is not None]
     best = best_result(results, tune_cfg.metric, tune_cfg.mode)
     if best is None:
@@ -209,15 +320,24 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                           best_checkpoint=best.metrics.get("checkpoint_path"),
                           best_run_dir=os.path.join(storage, trial_name), tokenizer_path=tokenizer_path,
                           metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space),
-                          experiment_dir=os.path.join(storage, name))
+                          experiment_dir=experiment_dir)
     summary = {"config": best_config.model_dump(mode="json"), "metrics": _plain(best.metrics),
                "checkpoint": outcome.best_checkpoint, "run_dir": outcome.best_run_dir,
                "tokenizer": tokenizer_path, "metric": outcome.metric, "mode": outcome.mode,
                "searched": outcome.searched}
-    with local_dir_for(os.path.join(storage, name)) as experiment_dir:  # a URI too: written locally, copied up
-        with open(os.path.join(experiment_dir, "best.json"), "w") as f:
+    with local_dir_for(experiment_dir) as local:  # a URI too: written locally, copied up
+        with open(os.path.join(local, "best.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return outcome
+
+
+def _unfinished_trials(experiment_dir: str, expected: int) -> int:
+    """Trials a resume would still run, by the search's saved state: after Ctrl-C, the ResultGrid Tune returns
+    shows the trials it stopped as terminated, and lacks those it never started."""
+    from ray.tune import ExperimentAnalysis
+
+    trials = ExperimentAnalysis(experiment_dir).trials
+    return sum(t.status not in ("TERMINATED", "ERROR") for t in trials) + max(0, expected - len(trials))
 
 
 def best_result(results, metric: str, mode: str):

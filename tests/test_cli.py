@@ -378,3 +378,13 @@ def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back
     assert code == 2 and "run.storage_path" in err, err
     hint = _resume_hint(SimpleNamespace(config="my config.yaml", overrides=["scaling.mesh={dp: 2}"]), "exp 2")
     assert shlex.split(hint)[2:] == ["my config.yaml", "--set", "scaling.mesh={dp: 2}", "--set", "run.name=exp 2"]
+
+
+def test_tune_resume_without_a_stable_search_name_exits_2_before_ray_starts(tmp_path, capsys):
+    """`tune --resume` finds the search by its name; with neither tune.name nor run.name, every search is named
+    by the clock, so there is never one to resume."""
+    data = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    del data["tune"]["name"]
+    data["run"]["storage_path"] = str(tmp_path)
+    code, _, err = run(["tune", write(tmp_path, data), "--resume"], capsys)
+    assert code == 2 and "set tune.name" in err, err

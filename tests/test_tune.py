@@ -1,14 +1,17 @@
 """Tune: 4 short trials (2 at a time) of JaxTrainer fits reported through TuneReportCallback, ASHA stopping the
-weak ones early, and the best trial's checkpoint restored into this process.
+weak ones early, and the best trial's checkpoint restored into this process; a search interrupted for real and
+resumed.
 
-The search runs through `ray-jax-train tune` in a subprocess with its own private Ray (and dashboard): Train's
+The searches run through `ray-jax-train tune` in a subprocess with its own private Ray (and dashboard): Train's
 placement-group cleanup after a trial is stopped needs the state API, which the session cluster does not serve.
 """
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -60,8 +63,34 @@ def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_search
     assert _scheduler(asha, _longest_trial(4, asha.param_space))._max_t == 17  # one past the last step
     capped = asha.model_copy(update={"scheduler": asha.scheduler.model_copy(update={"max_t": 16})})
     assert _scheduler(capped, 16)._max_t == 17  # at the last step itself, the final checkpoint was never reported
-    capped = asha.model_copy(update={"scheduler": asha.scheduler.model_copy(update={"max_t": 8})})
-    assert _scheduler(capped, 16)._max_t == 8
+
+
+def test_asha_max_t_below_the_longest_trial_is_refused_before_ray_starts(tmp_path, capsys):
+    """ASHA stopped every trial at max_t: with total_steps searched over [4, 8] and max_t 4, both trials ended at
+    their step-4 log report, before any checkpoint, and the half-trained 8-step trial won the search ("checkpoint:
+    none (set training.save_steps)" with save_steps set)."""
+    import yaml
+
+    from ray_jax_train.cli import main
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    tiny = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+
+    def search(max_t, total_steps):
+        return {"model": tiny["model"], "training": {**tiny["training"], "total_steps": 4},
+                "tune": {"param_space": {"training.total_steps": total_steps},
+                         "scheduler": {"type": "asha", "max_t": max_t}}}
+
+    for max_t, total_steps in [(4, {"grid_search": [4, 8]}), (30, {"grid_search": [20, 40]}),
+                               (19, {"randint": [8, 21]}), (3, 4)]:
+        with pytest.raises(ConfigError, match=r"tune.scheduler.max_t=.* below the longest trial's "
+                                              r"training.total_steps .*Leave max_t out"):
+            parse_config(search(max_t, total_steps))
+    parse_config(search(40, {"grid_search": [20, 40]}))  # raised to one past the longest trial
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(search(30, {"grid_search": [20, 40]})))
+    assert main(["config", "validate", str(path)]) == 2
+    assert "max_t=30 is below the longest trial's training.total_steps (40)" in capsys.readouterr().err
 
 
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
@@ -99,3 +128,71 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     leaves = jax.tree.leaves(params)
     assert any(x.ndim == 2 and 32 in x.shape for x in leaves)
     assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+
+
+def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, capsys):
+    """Ctrl-C during the second of 3 trials (1 at a time), then `tune --resume`. Before, Ctrl-C printed "search
+    done" with the half-trained trial as the best, and running the search again started all its trials anew."""
+    import yaml
+
+    from ray_jax_train.cli import main
+    from ray_jax_train.run_config import parse_config
+    from ray_jax_train.tune import can_resume
+
+    config = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    config["data"]["max_docs"] = 30
+    config["training"].update(log_steps=2, save_steps=4)
+    config["run"]["storage_path"] = str(tmp_path)
+    # The long middle trial is interrupted after its first checkpoint; the last has not started by then.
+    config["tune"] = {"name": "resumable", "param_space": {"training.total_steps": {"grid_search": [4, 40, 6]}},
+                      "max_concurrent_trials": 1, "scheduler": {"type": "fifo"}}
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(config))
+    experiment = tmp_path / "resumable"
+    command = [sys.executable, "-m", "ray_jax_train", "tune", str(path), "--address", "local"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def run_dirs(total_steps):  # the Train run of each trial given total_steps, named after its trial id
+        return [tmp_path / f"resumable-{d.name.split('_')[1]}_{d.name.split('_')[2]}"
+                for d in experiment.glob(f"trial_*_total_steps={total_steps}_*")]
+
+    started = time.time()
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        search = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        try:
+            while not any(glob.glob(str(d / "checkpoint_*")) for d in run_dirs(40)):
+                assert search.poll() is None, log.read_text()[-5000:]
+                assert time.time() - started < 300, log.read_text()[-5000:]
+                time.sleep(0.2)
+            search.send_signal(signal.SIGINT)
+            assert search.wait(timeout=120) == 130, log.read_text()[-5000:]
+        finally:
+            if search.poll() is None:
+                search.kill()
+    first = log.read_text()
+    assert "interrupted with 2 of 3 trials unfinished" in first and f"tune {path} --resume" in first, first[-3000:]
+    assert "search done" not in first and not (experiment / "best.json").exists()
+    (short,), (long,) = run_dirs(4), run_dirs(40)
+    short_records = (short / "metrics.jsonl").read_text()
+    short_results = next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text()
+    assert json.loads(short_records.splitlines()[-1])["step"] == 4
+
+    # A changed config is refused before Ray starts, naming what changed; the saved one resumes the same search.
+    assert main(["tune", str(path), "--resume", "--set", "training.learning_rate=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "training.learning_rate: 0.0003 -> 0.01" in err and "search_config.json" in err, err
+    assert can_resume(parse_config(json.loads((experiment / "search_config.json").read_text())))
+
+    done = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "trials:      3 (0 failed" in done.stdout and "Resuming the search" in done.stderr, done.stdout[-3000:]
+    # The finished trial was not run again, and no trial got a new id (a new Train run).
+    assert (short / "metrics.jsonl").read_text() == short_records
+    assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
+    assert len(list(experiment.glob("trial_*"))) == 3 and len(list(tmp_path.glob("resumable-*"))) == 3
+    # The interrupted trial resumed from its checkpoint: step 2 (before the first checkpoint) was trained once.
+    steps = [json.loads(line)["step"] for line in (long / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(2) == 1 and steps[-1] == 40 and sorted(set(steps)) == list(range(2, 41, 2)), steps
+    best = json.loads((experiment / "best.json").read_text())
+    assert best["config"]["training"]["total_steps"] == 40 and os.path.isdir(best["checkpoint"])
