@@ -5,9 +5,10 @@ Design, and why:
 * Orbax writes straight into the run's storage directory (`<storage_path>/<run name>/checkpoint_...`). Every
   process writes only the shards it owns; nothing is gathered on one host and nothing is copied afterwards.
   For that, all processes must see one directory: a local path on one node, a shared filesystem, or a cloud
-  URI orbax can write (`gs://`, `s3://`).
+  URI orbax can write (`gs://`, and `s3://` on AWS or an S3-compatible endpoint, see `_s3.py`).
 * Orbax writes into `<name>.orbax-checkpoint-tmp` and the primary process renames it to `<name>` only after
-  every process has finished, so a final directory is always complete.
+  every process has finished, so a final directory is always complete. Object stores cannot rename a
+  directory: there orbax writes `<name>` itself and the primary adds `commit_success.txt` last.
 * The checkpoint is reported to Ray with `CheckpointUploadMode.ASYNC` and an "upload" function that only waits
   for that orbax save to commit and copies nothing. Ray therefore registers a checkpoint only once it is
   complete (a worker that dies mid-save reports nothing), retention (`CheckpointConfig.num_to_keep`, score
@@ -34,7 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ray_jax_train.checkpoint import _sync, signals
+from ray_jax_train.checkpoint import _s3, _sync, signals
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,8 @@ def _uri_for(filesystem, fs_path: str) -> str:
 
     if isinstance(filesystem, pafs.LocalFileSystem):
         return fs_path
+    if _s3.is_s3(filesystem):
+        _s3.use(filesystem, fs_path)  # the URI drops the endpoint: orbax in this process must know it beforehand
     scheme = {"gcs": "gs", "s3": "s3"}.get(getattr(filesystem, "type_name", ""))
     if scheme:
         return f"{scheme}://{fs_path.lstrip('/')}"
@@ -185,7 +188,7 @@ def _location_of(checkpoint) -> _Location:
     from ray_jax_train import storage
 
     text = str(checkpoint)
-    fs, path = storage.filesystem(text)
+    fs, path = _s3.known_filesystem(text) or storage.filesystem(text)
     return _Location(fs, path, _uri_for(fs, path))  # file:///x is /x to orbax, which read "file://" as a key
 
 
@@ -339,7 +342,17 @@ def checksums(state) -> List[Optional[List[int]]]:
 CHECKSUMS_FILE = "checksums.json"
 
 
-def _composite_handler():
+def _temporary_path_class(loc: _Location):
+    """Orbax's default for the location, except on S3: a commit file where its default renames a directory,
+    which S3 cannot do (s3fs fails copying the directory's key). GCS gets the commit file by default."""
+    if not _s3.is_s3(loc.filesystem):
+        return None
+    from orbax.checkpoint.path import atomicity
+
+    return atomicity.CommitFileTemporaryPath
+
+
+def _composite_handler(loc: Optional[_Location] = None):
     """The train state as an uncompressed orbax PyTree, plus a small JSON item of bookkeeping.
 
     Uncompressed because float weights and optimizer moments barely compress (zstd gained 9% here) while
@@ -347,7 +360,9 @@ def _composite_handler():
     """
     import orbax.checkpoint as ocp
 
+    temporary = None if loc is None else _temporary_path_class(loc)
     return ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(temporary_path_class=temporary),
         **{STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=False), META_ITEM: ocp.JsonCheckpointHandler()}
     )
 
@@ -505,7 +520,8 @@ class JaxCheckpointer:
         if self._orbax is None:
             import orbax.checkpoint as ocp
 
-            self._orbax = ocp.AsyncCheckpointer(_composite_handler())
+            self._orbax = ocp.AsyncCheckpointer(_composite_handler(self.location),
+                                                temporary_path_class=_temporary_path_class(self.location))
         return self._orbax
 
     def _name(self, step: int) -> str:
