@@ -332,29 +332,38 @@ def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_clus
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
-def test_an_update_that_overflows_is_not_saved_although_its_loss_was_finite(ray_cluster, tmp_path):
-    """A learning rate past float32's range leaves step 1's loss and gradient norm finite (they come before the
-    update) and its weights infinite. The save of step 1 checks the state itself and stops; before, that checkpoint
-    was written and registered as the latest, so every resume restored infinite weights."""
+@pytest.mark.parametrize("total_steps,save_steps", [(3, 1), (1, 2)], ids=["periodic-save", "final-save-and-model"])
+def test_an_update_that_overflows_is_not_saved_although_its_loss_was_finite(ray_cluster, tmp_path, total_steps,
+                                                                             save_steps):
+    """Weight decay times a huge (float32-finite) learning rate leaves step 1's loss and gradient norm finite (they
+    come before the update) and its weights infinite. The save of step 1 checks the state itself and stops; before,
+    that checkpoint was written and registered as the latest, so every resume restored infinite weights. Numbers
+    that cannot be float32 at all are refused with the arguments."""
     import ray.data
     from ray.train import TrainingFailedError
 
     rows = packed_rows(16)
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
-    args = TrainingArguments(total_steps=3, batch_size=4, max_sequence_length=SEQ, learning_rate=1e39,
-                             scheduler="constant", log_steps=4, save_steps=1, save_final_model=False,
-                             progress_bar=False)
+    with pytest.raises(ValueError, match="learning_rate=1e[+]39 is beyond float32's range"):
+        TrainingArguments(learning_rate=1e39)
+    with pytest.raises(ValueError, match="adam_epsilon=1e-45 is below float32's smallest normal"):
+        TrainingArguments(adam_epsilon=1e-45)
+    args = TrainingArguments(total_steps=total_steps, batch_size=4, max_sequence_length=SEQ, learning_rate=1e30,
+                             weight_decay=1e12, scheduler="constant", log_steps=4, save_steps=save_steps,
+                             save_final_model=True, progress_bar=False)
     trainer = rjt.JaxTrainer(
         train_loop_per_worker,
-        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 3},
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(),
+                           "total_steps": total_steps},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="overflow", storage_path=str(tmp_path)), datasets={"train": dataset})
-    with pytest.raises(TrainingFailedError, match=r"Step 1's update made the weights or optimizer state "
-                                                  r"non-finite, although the step's loss and gradient norm were "
-                                                  r"finite") as failed:
+    with pytest.raises(TrainingFailedError, match=r"At step 1 the weights or optimizer state are no longer finite, "
+                                                  r"although the loss and gradient norm of every step so far "
+                                                  r"were") as failed:
         trainer.fit()
     assert "NonFiniteLossError" in str(failed.value)
     assert not list((tmp_path / "overflow").glob("checkpoint_0*"))
+    assert not (tmp_path / "overflow" / "final_model").exists()
     assert json.loads((tmp_path / "overflow" / "nonfinite.json").read_text())["step"] == 1
 
 

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ray_jax_train.config import canonical_dtype
 
+# The optimizer's numbers live in float32 state (optax.inject_hyperparams).
+_FLOAT32_MAX, _FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -88,6 +91,24 @@ class TrainingArguments(BaseModel):
     # Data columns (raw text or chat) for the driver-side tokenisation
     text_column: str = "text"
     messages_column: str = "messages"
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _learning_rate_fits_float32(cls, value: float) -> float:
+        if value > _FLOAT32_MAX:
+            raise ValueError(f"learning_rate={value} is beyond float32's range (max {_FLOAT32_MAX:.4g}): the optimizer "
+                             "state holds it as float32, where it is inf, and the first update makes every weight "
+                             "NaN. Use a learning rate below 1 (3e-4 is the default)")
+        return value
+
+    @field_validator("adam_epsilon")
+    @classmethod
+    def _epsilon_survives_float32(cls, value: float) -> float:
+        if value < _FLOAT32_TINY:
+            raise ValueError(f"adam_epsilon={value} is below float32's smallest normal number ({_FLOAT32_TINY:.4g}), "
+                             "which XLA flushes to zero: a weight whose gradient is 0 (an embedding row no batch "
+                             "used) then updates by 0/0 = NaN. Use 1e-8 (the default) or another value above it")
+        return value
 
     @field_validator("dtype", "param_dtype", mode="before")
     @classmethod

@@ -240,6 +240,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             metrics_file.close()
 
     progress.close()
+    if checkpointer is not None or args.save_final_model:
+        checkpoint_metrics()  # the last steps' update, before the final checkpoint and model keep it
     if checkpointer is not None:
         if args.save_steps and step % args.save_steps and step != resumed_at:  # resumed at the end: saved already
             checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
@@ -391,10 +393,10 @@ def _stop_if_state_not_finite(state, step: int, checkpointer, remember: Callable
     if checkpointer is not None:
         checkpointer.wait(registered=True)
     message = (
-        f"Step {step}'s update made the weights or optimizer state non-finite, although the step's loss and gradient "
-        "norm were finite, so the run stops before saving them (checkpoints saved before this step are kept). "
-        "Usual causes: a learning rate beyond float32's range or far too high, or an optimizer setting that "
-        "divides by zero (adam_epsilon too small to survive float32).")
+        f"At step {step} the weights or optimizer state are no longer finite, although the loss and gradient norm "
+        "of every step so far were (they are computed before each update), so the run stops before saving them "
+        "(checkpoints saved before this step are kept). "
+        "Usual cause: a learning rate (or weight_decay times it) so high that the update overflows float32.")
     remember(step, message)
     raise NonFiniteLossError(message)
 
