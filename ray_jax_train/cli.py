@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the chat template")
     gen.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory's)")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to add (default 64)")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="most tokens to add (default 64, or what max_position_embeddings leaves after the prompt)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
     gen.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens")
     gen.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens holding P")

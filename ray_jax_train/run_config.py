@@ -239,10 +239,10 @@ class ExperimentConfig(_Section):
                               "cannot be; fix the model section")
         if self.tune is not None:
             self._check_tune_metric()
-            if (args.total_steps is None and "training.total_steps" not in self.tune.param_space
-                    and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None):
+            _, by_epochs = trial_lengths(args.total_steps, self.tune.param_space)
+            if by_epochs and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None:
                 raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is "
-                                  "not set; ASHA needs to know how long a trial runs")
+                                  "not set (or searched with null); ASHA needs to know how long a trial runs")
         if not self.scaling.worker_resources():
             raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")
@@ -285,8 +285,7 @@ class ExperimentConfig(_Section):
         counts it as finished, so it could win the search. (max_t at or above the longest trial is raised to one
         past it.)"""
         s = self.tune.scheduler
-        spec = self.tune.param_space.get("training.total_steps")
-        longest = args.total_steps if spec is None else max(int(v) for v in search_candidates(spec))
+        longest, _ = trial_lengths(args.total_steps, self.tune.param_space)  # trials by epochs: unknown here
         if s.type == "asha" and s.max_t is not None and longest and s.max_t < longest:
             raise ConfigError(
                 f"tune.scheduler.max_t={s.max_t} is below the longest trial's training.total_steps ({longest}): ASHA "
@@ -744,6 +743,15 @@ def search_candidates(spec: Any) -> List[Any]:
     if kind in ("uniform", "loguniform", "quniform"):
         return list(values[:2])
     return list(values)
+
+
+def trial_lengths(base_steps: Optional[int], param_space: Dict[str, Any]) -> Tuple[int, bool]:
+    """(the most optimizer steps a trial can be set to run, 0 if none is; whether some trial runs by epochs,
+    for a length the driver cannot know): from the base's `training.total_steps` or the searched values."""
+    spec = param_space.get("training.total_steps")
+    values = [base_steps] if spec is None else search_candidates(spec)
+    steps = [int(v) for v in values if v is not None]
+    return max(steps, default=0), len(steps) < len(values)
 
 
 def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):

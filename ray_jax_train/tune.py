@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
-                                      hf_tokenizer_dir, parse_config, read_file, search_candidates)
+                                      hf_tokenizer_dir, parse_config, read_file, trial_lengths)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -196,12 +196,6 @@ def _differences(old: Dict[str, Any], new: Dict[str, Any], prefix: str = ""):
     return out
 
 
-def _longest_trial(base_steps: int, param_space: Dict[str, Any]) -> int:
-    """The most optimizer steps any trial can run: the base's, or the largest searched `training.total_steps`."""
-    spec = param_space.get("training.total_steps")
-    return base_steps if spec is None else max(int(v) for v in search_candidates(spec))
-
-
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -291,8 +285,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
             param_space=search_space(tune_cfg.param_space),
             tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
                                         max_concurrent_trials=tune_cfg.max_concurrent_trials,
-                                        scheduler=_scheduler(tune_cfg, _longest_trial(args.total_steps or 0,
-                                                                                      tune_cfg.param_space))),
+                                        scheduler=_scheduler(tune_cfg, trial_lengths(args.total_steps,
+                                                                                    tune_cfg.param_space)[0])),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
         )
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step

@@ -105,12 +105,26 @@ def test_sampling_is_seeded_and_narrows_to_greedy(model, prompts, greedy):
     # A nucleus this small holds only the likeliest token.
     np.testing.assert_array_equal(greedy, generate(model, *prompts, max_new_tokens=12, temperature=2.0,
                                                    top_p=1e-6, seed=5))
+    # Below float32's smallest normal a temperature is 0 to XLA: greedy, not logits / 0. numpy numbers are numbers.
+    np.testing.assert_array_equal(greedy, generate(model, *prompts, max_new_tokens=12, temperature=1e-40))
+    np.testing.assert_array_equal(a, generate(model, *prompts, max_new_tokens=12, temperature=np.float32(1.0),
+                                              top_p=np.float64(1.0), seed=3))
+
+
+def test_a_cache_too_small_is_refused_not_overwritten(model):
+    from ray_jax_train.models import KVCache
+
+    cache = KVCache.create(model.config, 1, 4)
+    _, cache = model.decode(jnp.array([[1, 2, 3]]), cache)
+    with pytest.raises(ValueError, match=r"4 slots \(3 filled\), too few for 3 more tokens"):
+        model.decode(jnp.array([[4, 5, 6]]), cache)
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(max_new_tokens=62), "exceeds the model's max_position_embeddings=64"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=True), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=0), "top_k must be a positive integer"),
@@ -163,4 +177,6 @@ def test_cli_generate_prints_the_completion(model_dir):
     # The model directory itself works as well; mistakes exit 2 with a message.
     assert main(["generate", str(run / "final_model"), "--prompt", "Hi", "--chat", "--max-new-tokens", "4"]) == 0
     assert main(["generate", str(run), "--prompt", "Hi", "--top-p", "2"]) == 2
+    # Without --max-new-tokens: 64, or what max_position_embeddings (64 here) leaves after the prompt.
+    assert main(["generate", str(run), "--prompt", "Once upon a time"]) == 0
     assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2

@@ -40,7 +40,11 @@ def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_search
     won the search. ASHA's max_t came from the base total_steps, and cut the longer searched trials short."""
     from ray.train import Result
 
-    from ray_jax_train.tune import _longest_trial, _scheduler, best_result
+    from ray_jax_train.run_config import trial_lengths
+    from ray_jax_train.tune import _scheduler, best_result
+
+    def _longest_trial(base, space):
+        return trial_lengths(base, space)[0]
 
     def result(loss, error=None):
         return Result(metrics={"loss": loss, "step": 4}, checkpoint=None, error=error, path=str(tmp_path))
@@ -56,6 +60,9 @@ def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_search
     assert _longest_trial(4, {"training.total_steps": {"randint": [8, 21]}}) == 20
     assert _longest_trial(4, {"training.total_steps": 12, "training.learning_rate": {"choice": [1e-3]}}) == 12
     assert _longest_trial(4, {"training.learning_rate": {"choice": [1e-3]}}) == 4
+    # null: that trial runs by epochs, a length the driver cannot know (it raised a TypeError).
+    assert trial_lengths(None, {"training.total_steps": {"choice": [None, 8]}}) == (8, True)
+    assert trial_lengths(None, {}) == (0, True)
     from ray_jax_train.run_config import parse_config
 
     asha = parse_config({"training": {"total_steps": 4},
@@ -87,6 +94,13 @@ def test_asha_max_t_below_the_longest_trial_is_refused_before_ray_starts(tmp_pat
                                               r"training.total_steps .*Leave max_t out"):
             parse_config(search(max_t, total_steps))
     parse_config(search(40, {"grid_search": [20, 40]}))  # raised to one past the longest trial
+    # A trial by epochs (null total_steps) needs max_t for ASHA; other schedulers take it as it is.
+    by_epochs = search(None, {"choice": [None, 8]})
+    with pytest.raises(ConfigError, match=r"tune.scheduler.max_t: set it .*searched with null"):
+        parse_config(by_epochs)
+    by_epochs["training"]["num_epochs"] = 1
+    by_epochs["tune"]["scheduler"] = {"type": "fifo"}
+    parse_config(by_epochs)
     path = tmp_path / "search.yaml"
     path.write_text(yaml.safe_dump(search(30, {"grid_search": [20, 40]})))
     assert main(["config", "validate", str(path)]) == 2

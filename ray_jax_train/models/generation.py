@@ -7,6 +7,7 @@ one token a step (greedy, or sampled with temperature, top-k and top-p), so no t
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -18,6 +19,9 @@ from flax import nnx
 from ray_jax_train.models.llama import KVCache, LlamaForCausalLM
 
 __all__ = ["generate", "generate_text"]
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal: XLA flushes smaller numbers to 0
+DEFAULT_NEW_TOKENS = 64
 
 Conversation = Sequence[Mapping[str, Any]]
 Prompt = Union[str, Conversation]
@@ -39,28 +43,34 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
     eos = _token_ids(eos_token_id, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    greedy = temperature == 0
+    # A temperature float32 cannot tell from 0 would divide the logits by zero: it is greedy anyway.
+    greedy = float(temperature) < _FLOAT32_TINY
     return _generate(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
-                     jnp.float32(temperature or 1.0), jnp.float32(top_p or 1.0), jnp.asarray(eos, jnp.int32),
+                     jnp.float32(1.0 if greedy else temperature), jnp.float32(1.0 if top_p is None else top_p), jnp.asarray(eos, jnp.int32),
                      jnp.int32(pad_token_id), max_new_tokens=max_new_tokens, greedy=greedy,
                      top_k=None if greedy or top_k is None else min(top_k, config.vocab_size),
                      nucleus=not greedy and top_p is not None and top_p < 1)
 
 
 def generate_text(model: LlamaForCausalLM, tokenizer, prompts: Union[Prompt, Sequence[Prompt]], *,
-                  max_new_tokens: int = 64, temperature: float = 0.0, top_k: Optional[int] = None,
+                  max_new_tokens: Optional[int] = None, temperature: float = 0.0, top_k: Optional[int] = None,
                   top_p: Optional[float] = None, seed: int = 0) -> Union[str, list[str]]:
     """Complete text prompts, or answer conversations (lists of ``{"role", "content"}`` messages).
 
     A text prompt is encoded as in training, ``[bos] + tokens``; a conversation goes through the tokenizer's chat
     template with its generation prompt (the assistant header). Completions end at the tokenizer's or the model's
     eos and are decoded without special tokens. One prompt gives one string, a list of prompts a list.
+    ``max_new_tokens`` defaults to 64, or fewer where the longest prompt leaves less room in
+    ``max_position_embeddings`` (a small model trained on short rows has little).
     """
     single = isinstance(prompts, str) or _is_conversation(prompts)
     batch = [prompts] if single else list(prompts)
     if not batch:
         raise ValueError("generate_text got no prompts")
     encoded = [_encode(tokenizer, p) for p in batch]
+    if max_new_tokens is None:
+        room = model.config.max_position_embeddings - max(len(e) for e in encoded)
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS  # none: the check says so
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # Lengths rounded up to a multiple of 16 so that prompts of similar lengths share one compiled program.
     width = 16 * math.ceil(max(len(e) for e in encoded) / 16)
@@ -143,12 +153,16 @@ def _check_prompts(config, input_ids, attention_mask, max_new_tokens):
     return np.where(mask == 1, ids, 0).astype(np.int32), mask
 
 
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_sampling(temperature, top_k, top_p) -> None:
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+    if not (_real(temperature) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (_real(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 

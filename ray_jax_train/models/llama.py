@@ -361,10 +361,17 @@ class LlamaForCausalLM(nnx.Module):
 
         Returns the float32 logits of the last token [batch, vocab] and the cache with these tokens added.
         ``attention_mask`` marks padding among ``input_ids`` (default: none); positions continue each row's count
-        of real tokens, as ``positions_from_mask`` numbers the whole sequence.
+        of real tokens, as ``positions_from_mask`` numbers the whole sequence. The cache must have room for them:
+        a write past its last slot would be clamped over earlier tokens (XLA's rule for out-of-range slices).
         """
         cfg = self.config
         b, s = input_ids.shape
+        slots = cache.mask.shape[1]
+        filled = 0 if isinstance(cache.index, jax.core.Tracer) else int(cache.index)  # known outside jit only
+        if filled + s > slots:
+            raise ValueError(f"the KV cache has {slots} slots ({filled} filled), too few for {s} more tokens; make "
+                             "it with KVCache.create(config, batch, slots) large enough for the prompt and every "
+                             "token to come")
         new = jnp.ones((b, s), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         positions = jnp.sum(cache.mask, axis=1, keepdims=True) + jnp.cumsum(new, axis=1) - 1
         positions = jnp.where(new == 0, 1, positions)
