@@ -4,6 +4,7 @@
     ray-jax-train tune examples/tune_tiny_llama.yaml
     ray-jax-train plot runs/tiny-llama
     ray-jax-train generate runs/tiny-llama --prompt "Once upon a time"
+    ray-jax-train export runs/tiny-llama/checkpoint_000000200_1a2b3c4d exported/
     ray-jax-train config show examples/tiny_llama.yaml --set scaling.num_workers=2
     ray-jax-train config validate examples/tiny_llama.yaml
 
@@ -73,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest tokens")
     gen.add_argument("--top-p", type=float, default=None, help="sample among the likeliest tokens holding P")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    export = sub.add_parser("export", parents=[common],
+                            help="write a checkpoint as a Hugging Face model directory (no Ray)")
+    export.add_argument("source", help="a checkpoint directory (<run>/checkpoint_...) or a run directory (its latest "
+                                       "checkpoint); a path or URI")
+    export.add_argument("out_dir", help="where to write config.json, *.safetensors and the tokenizer")
+    export.add_argument("--model-config", default=None,
+                        help="a directory with the model's HF config.json (default: the run's model/; needed for "
+                             "runs from before it was saved)")
+    export.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's model/)")
+    export.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: as trained)")
     config = sub.add_parser("config", parents=[common], help="show or validate a config")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     config_sub.required = True
@@ -292,7 +303,8 @@ def cmd_generate(args) -> int:
         model_dir = os.path.join(model_dir, "final_model")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise UsageError(f"{args.model_dir}: neither a model directory (config.json and *.safetensors) nor a run "
-                         "directory with a final_model/ (a run writes it when training ends)")
+                         "directory with a final_model/ (a run writes it when training ends; `ray-jax-train export` "
+                         "makes one from a checkpoint)")
     tokenizer_dir = args.tokenizer or model_dir
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer_config.json")):
         raise UsageError(f"{tokenizer_dir} holds no tokenizer (a run saves one beside its final model only when it "
@@ -305,6 +317,22 @@ def cmd_generate(args) -> int:
     except ValueError as exc:  # a bad checkpoint, prompt or sampling setting: a message, not a traceback
         raise UsageError(str(exc)) from None
     print(text)
+    return EXIT_OK
+
+
+def cmd_export(args) -> int:
+    from ray_jax_train.checkpoint import CheckpointCorruptError
+    from ray_jax_train.lm.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.source, args.out_dir, model_config=args.model_config, tokenizer=args.tokenizer,
+                                dtype=args.dtype)
+    except ValueError as exc:  # a checkpoint of another model, a bad config.json or dtype: a message, no traceback
+        raise UsageError(str(exc)) from None
+    except CheckpointCorruptError as exc:
+        print(f"ray-jax-train: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(out)
     return EXIT_OK
 
 
@@ -331,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _quiet(args.verbose)
     from ray_jax_train.run_config import ConfigError
 
-    handlers = {"fit": cmd_fit, "tune": cmd_tune, "plot": cmd_plot, "generate": cmd_generate, "config": cmd_config}
+    handlers = {"fit": cmd_fit, "tune": cmd_tune, "plot": cmd_plot, "generate": cmd_generate, "export": cmd_export,
+                "config": cmd_config}
     try:
         return handlers[args.command](args)
     except (ConfigError, UsageError) as exc:

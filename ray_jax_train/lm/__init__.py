@@ -5,6 +5,7 @@
 """
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.lm.distributed_trainer import RayDistributedTrainer
+from ray_jax_train.lm.export import export_checkpoint
 from ray_jax_train.lm.loop import NonFiniteLossError, train_loop_per_worker
 from ray_jax_train.lm.metrics import PEAK_FLOPS, peak_flops_per_device, read_metrics
 from ray_jax_train.lm.state import shard_state
@@ -15,6 +16,7 @@ __all__ = [
     "PEAK_FLOPS",
     "RayDistributedTrainer",
     "TrainingArguments",
+    "export_checkpoint",
     "loss_sums",
     "make_optimizer",
     "make_train_step",

@@ -7,7 +7,8 @@ Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CL
     init          starting point from `state.init_spec` (default: a new model)
     columns       dataset columns to feed (default: the packed-row columns)
     has_eval      whether an "eval" dataset was given
-    tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model (optional)
+    tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model and into model/
+                  (optional)
     record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
@@ -42,11 +43,13 @@ def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], colu
                 /, tokenizer=None, **extra: Any) -> Dict[str, Any]:
     """The `train_loop_config` that `train_loop_per_worker` reads (keys in the module docstring); `extra` wins.
 
-    The tokenizer goes to the object store: rank 0, on whichever node, saves it into `final_model/`.
+    The tokenizer goes to the object store: rank 0, on whichever node, saves it into `final_model/`, and with
+    checkpoints into `model/` (what `export_checkpoint` turns a checkpoint into an HF directory with).
     """
     import ray
 
-    tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and args.save_final_model else None
+    wanted = args.save_final_model or args.save_steps
+    tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and wanted else None
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
             "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref, **extra}
 
@@ -130,6 +133,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device)
     outputs = RunOutputs.of_this_run()
+    if rank0 and args.save_steps:
+        # After the restore: a resume with another model config fails there, and must not first overwrite the
+        # config that the run's earlier checkpoints export with.
+        outputs.save_model_files(model_config, config.get("tokenizer"))
     run_id = _train_run_id()
     went_nan = outputs.nonfinite_record(run_id)
     if went_nan is not None:  # every process reads the same file: all stop here together
@@ -484,6 +491,24 @@ class RunOutputs:
         from ray_jax_train.storage import AppendOnlyFile
 
         return AppendOnlyFile(self.filesystem, f"{self.run_path}/metrics.jsonl")
+
+    def save_model_files(self, model_config, tokenizer_ref) -> None:
+        """`model/`: the HF config.json and the tokenizer, all an export of a checkpoint needs besides its params.
+        Rank 0 only. Skipped for a config HF cannot load, whose checkpoints have no HF form to export to."""
+        import ray
+
+        from ray_jax_train.lm.export import MODEL_FILES
+        from ray_jax_train.storage import local_dir_for
+
+        problem = model_config.hf_export_problem()
+        if problem is not None:
+            logger.info("This run's checkpoints cannot be exported as a Hugging Face model: %s", problem)
+            return
+        with local_dir_for(f"{self.run_path}/{MODEL_FILES}", self.filesystem) as local:
+            if tokenizer_ref is not None:
+                ray.get(tokenizer_ref).save_pretrained(local)
+            with open(os.path.join(local, "config.json"), "w") as f:
+                json.dump(model_config.to_hf_dict(), f, indent=2)
 
     def save_final_model(self, model, tokenizer_ref, rank0: bool) -> None:
         """HF safetensors and the tokenizer. Every process calls it (gathering sharded params is collective)."""

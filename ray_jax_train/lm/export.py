@@ -1,0 +1,159 @@
+"""Turn a train-state checkpoint of a causal-LM run into a Hugging Face model directory.
+
+A run writes `final_model/` only when training ends; `export_checkpoint` gives the same directory for any of its
+checkpoints (an interrupted run's latest, or the best one Ray kept). The checkpoint holds the params but not the
+model config or the tokenizer: runs with `save_steps` keep those in `<run>/model/` (see `RunOutputs`).
+
+    export_checkpoint("runs/tiny-llama", "exported")                      # the run's latest checkpoint
+    export_checkpoint("runs/tiny-llama/checkpoint_000000200_1a2b3c4d", "step200")
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILES = "model"  # in the run directory: the HF config.json and the tokenizer's files
+_CHECKPOINT_MARK = "_CHECKPOINT_METADATA"
+_RUN_MARK = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any = None, tokenizer: Any = None,
+                      dtype: Any = None) -> str:
+    """Write `source`'s params as an HF directory (config.json, safetensors, tokenizer) in `out_dir`; returns it.
+
+    `source`: a checkpoint directory (`<run>/checkpoint_...`) or a run directory (its latest registered
+    checkpoint), a local path or a URI. Only the params are read, into this process's host memory (no Ray,
+    no optimizer). `model_config` (a LlamaConfig, or a directory or file with an HF config.json) and
+    `tokenizer` (a directory or tokenizer object) replace what the run saved in `<run>/model/`; a run from
+    before that was saved needs `model_config`. `dtype` casts the saved weights (default: the params' dtype).
+    """
+    import pyarrow.fs as pafs
+
+    from ray_jax_train import storage
+    from ray_jax_train.models import save_pretrained
+
+    checkpoint, run_dir = _resolve(os.fspath(source))
+    fs, model_files = storage.filesystem(f"{run_dir}/{MODEL_FILES}")
+    has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
+    if model_config is None:
+        if not has_files:
+            raise FileNotFoundError(
+                f"{run_dir} has no {MODEL_FILES}/config.json: the run was made before ray_jax_train saved its model "
+                "config there (or its config has no Hugging Face form, and no export can help). Pass the model "
+                "config it trained with: model_config=<a directory with its config.json, e.g. another export or "
+                "final_model/ of the same model> (CLI: --model-config DIR), and tokenizer=<DIR> (--tokenizer).")
+        model_config = _read_config(fs, f"{model_files}/config.json", f"{run_dir}/{MODEL_FILES}/config.json")
+    else:
+        model_config = _config_from(model_config)
+
+    model = _restore_model(checkpoint, model_config)
+    with storage.local_dir_for(os.fspath(out_dir)) as local:
+        if has_files and tokenizer is None:  # the tokenizer's files; save_pretrained then writes config.json
+            pafs.copy_files(model_files, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            from ray_jax_train.text import load_tokenizer
+
+            load_tokenizer(os.fspath(tokenizer)).save_pretrained(local)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(local)
+        save_pretrained(model, local, dtype=dtype)
+        if not os.path.isfile(os.path.join(local, "tokenizer_config.json")):
+            logger.warning("%s has no tokenizer (the run trained without one, or from before it was saved): pass "
+                           "tokenizer= (CLI: --tokenizer DIR), or give one to whatever loads it.", out_dir)
+    logger.info("Exported %s to %s.", checkpoint, out_dir)
+    return os.fspath(out_dir)
+
+
+def _resolve(source: str):
+    """(checkpoint, run directory) for a checkpoint or run directory; FileNotFoundError saying what was given."""
+    import pyarrow.fs as pafs
+
+    from ray_jax_train import storage
+
+    fs, path = storage.filesystem(source)
+    path = path.rstrip("/")
+    where = source.rstrip("/") if storage.is_uri(source) else path  # local paths made absolute
+
+    def has(name: str) -> bool:
+        return fs.get_file_info(f"{path}/{name}").type != pafs.FileType.NotFound
+
+    kind = fs.get_file_info(path).type
+    if kind != pafs.FileType.Directory:
+        what = "does not exist" if kind == pafs.FileType.NotFound else "is not a directory"
+        raise FileNotFoundError(f"{source} {what}: give a checkpoint directory or a run directory.")
+    if has(_CHECKPOINT_MARK):
+        return where, where.rsplit("/", 1)[0]
+    if has(_RUN_MARK):
+        from ray.train import Result
+
+        # Ray's latest registered checkpoint, not the highest-numbered directory (maybe a save never registered).
+        # Reading it, Ray's checkpoint manager logs advice for starting a training run here: not what happens.
+        manager_log = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+        level = manager_log.level
+        manager_log.setLevel(max(level, logging.WARNING))
+        try:
+            latest = Result.from_path(where).checkpoint
+        finally:
+            manager_log.setLevel(level)
+        if latest is None:
+            raise FileNotFoundError(f"The run {source} registered no checkpoint (training.save_steps saves them); "
+                                    "its final_model/, if it finished, is already a Hugging Face directory.")
+        return f"{where}/{latest.path.rstrip('/').rsplit('/', 1)[-1]}", where
+    hint = " It is a Hugging Face model directory already." if has("config.json") else ""
+    raise FileNotFoundError(
+        f"{source} is neither a ray_jax_train checkpoint (no {_CHECKPOINT_MARK}) nor a Ray Train run directory "
+        f"(no {_RUN_MARK}).{hint}")
+
+
+def _read_config(fs, fs_path: str, shown: str):
+    import json
+
+    from ray_jax_train.config import LlamaConfig
+
+    with fs.open_input_stream(fs_path) as f:
+        data = json.loads(f.read().decode())
+    try:
+        return LlamaConfig.from_hf(data)
+    except ValueError as exc:
+        raise ValueError(f"{shown}: {exc}") from exc
+
+
+def _config_from(model_config: Any):
+    from ray_jax_train.config import LlamaConfig
+    from ray_jax_train.models import load_hf_config
+
+    if isinstance(model_config, LlamaConfig):
+        return model_config
+    path = os.fspath(model_config)
+    if os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))
+    return load_hf_config(path)
+
+
+def _restore_model(checkpoint: str, model_config):
+    """The checkpoint's params in a model of `model_config`, on one device of this process."""
+    import jax
+    from flax import nnx
+
+    from ray_jax_train.checkpoint import abstract_state, restore
+    from ray_jax_train.lm.state import abstract_params
+
+    graphdef, expected = abstract_params(model_config)
+    # Host memory when there is a CPU backend: the export gathers every weight to the host anyway, and an
+    # accelerator might not hold the whole model.
+    try:
+        device = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        device = jax.local_devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    target = abstract_state({"params": expected}, jax.tree.map(lambda _: sharding, {"params": expected}))
+    restored = restore(target, checkpoint=checkpoint, fallback=False, partial=True)
+    if restored is None:
+        raise FileNotFoundError(f"No checkpoint found at {checkpoint}.")
+    logger.info("Restored the params of step %d from %s.", restored.step, checkpoint)
+    return nnx.merge(graphdef, restored.state["params"])

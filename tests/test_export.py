@@ -1,0 +1,101 @@
+"""Exporting a run's checkpoints as Hugging Face model directories (`export_checkpoint`, `ray-jax-train export`)."""
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from ray.train import RunConfig, ScalingConfig
+
+import ray_jax_train as rjt
+from ray_jax_train.cli import main
+from ray_jax_train.config import LlamaConfig
+from ray_jax_train.lm import TrainingArguments, export_checkpoint
+from ray_jax_train.lm.loop import DEFAULT_COLUMNS, loop_config, train_loop_per_worker
+from ray_jax_train.lm.state import split_model
+from ray_jax_train.models import from_pretrained, load_hf_config
+from ray_jax_train.text import load_tokenizer, pack_documents, train_tokenizer
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tmp_path_factory):
+    """A 2-worker run of 4 steps saving at steps 2 and 4, with a tokenizer and final_model/: (run dir, tokenizer)."""
+    import ray.data
+
+    tmp = tmp_path_factory.mktemp("export")
+    tokenizer = train_tokenizer(["one two three four five six seven eight"] * 50, vocab_size=280)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    rng = np.random.default_rng(0)
+    rows = pack_documents([rng.integers(1, len(tokenizer), rng.integers(4, 40)) for _ in range(60)], SEQ)
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=4, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2, log_steps=2,
+                             save_steps=2, save_final_model=True, progress_bar=False)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config(args, config, 4, {}, list(DEFAULT_COLUMNS), False, tokenizer=tokenizer),
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="export", storage_path=str(tmp)), datasets={"train": dataset})
+    result = trainer.fit()
+    assert result.error is None, result.error
+    return result.path, tokenizer
+
+
+def _params(path):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
+            jax.tree_util.tree_leaves_with_path(split_model(from_pretrained(path))[1])}
+
+
+def _checkpoints(run_dir):
+    return sorted(os.path.join(run_dir, d) for d in os.listdir(run_dir) if d.startswith("checkpoint_0"))
+
+
+def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path):
+    run_dir, tokenizer = run
+    early, last = _checkpoints(run_dir)
+    final = _params(os.path.join(run_dir, "final_model"))
+
+    # The run directory means its latest checkpoint: step 4, which final_model/ holds too, bit for bit.
+    out = export_checkpoint(run_dir, tmp_path / "latest")
+    exported = _params(out)
+    assert exported.keys() == final.keys()
+    assert all(np.array_equal(exported[k], final[k]) for k in final)
+    assert load_tokenizer(out)("three four")["input_ids"] == tokenizer("three four")["input_ids"]
+
+    assert main(["export", last, str(tmp_path / "cli")]) == 0
+    by_cli = _params(tmp_path / "cli")
+    assert all(np.array_equal(by_cli[k], final[k]) for k in final)
+    assert os.path.isfile(tmp_path / "cli" / "tokenizer.json")
+
+    export_checkpoint(early, tmp_path / "early")
+    assert not all(np.array_equal(a, final[k]) for k, a in _params(tmp_path / "early").items())
+
+
+def test_export_says_what_it_needs(run, tmp_path, capsys):
+    run_dir, _ = run
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_checkpoint(tmp_path / "nothing", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="neither a ray_jax_train checkpoint .* It is a Hugging Face model "
+                                                "directory already"):
+        export_checkpoint(os.path.join(run_dir, "final_model"), tmp_path / "out")
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "nor a Ray Train run directory" in capsys.readouterr().err
+
+    # A run from before model/ was saved: its checkpoint alone, with the model config given by hand.
+    old = tmp_path / "old_run" / os.path.basename(_checkpoints(run_dir)[-1])
+    shutil.copytree(_checkpoints(run_dir)[-1], old)
+    with pytest.raises(FileNotFoundError, match="no model/config.json.*model_config=<a directory with its "
+                                                "config.json"):
+        export_checkpoint(old, tmp_path / "out")
+    final = os.path.join(run_dir, "final_model")
+    assert main(["export", str(old), str(tmp_path / "old_out"), "--model-config", final, "--tokenizer", final]) == 0
+    assert os.path.isfile(tmp_path / "old_out" / "tokenizer.json")
+    final_params = _params(final)
+    assert all(np.array_equal(a, final_params[k]) for k, a in _params(tmp_path / "old_out").items())
+    # A config of another model is refused by the restore's shape check.
+    other = tmp_path / "other"
+    rjt.save_pretrained(rjt.create_model(load_hf_config(final).replace(hidden_size=64)), other)
+    assert main(["export", str(old), str(tmp_path / "out"), "--model-config", str(other)]) == 2
+    assert "holds a different train state" in capsys.readouterr().err
