@@ -81,7 +81,7 @@ def _lm_workload(config):
                       num_attention_heads=4, max_position_embeddings=seq, tie_word_embeddings=False)
     optimizer = optax.adamw(3e-4)
     graphdef, _ = split_model(create_model(cfg))
-    state = initial_state({}, cfg, optimizer, mesh, new_state_fn=lambda p, s: new_state(p, optimizer, s))
+    state = initial_state({}, cfg, mesh, new_state_fn=lambda p, s: new_state(p, optimizer, s))
     tokens = np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
     rows = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq), np.int32),
             "segment_ids": np.ones((batch, seq), np.int32),

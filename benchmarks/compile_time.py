@@ -49,7 +49,7 @@ def measure(layers: int, variant: str) -> dict:
 
     t0 = time.perf_counter()
     if variant == "parts":
-        state = state_lib.initial_state({}, config, optimizer, mesh, new_state_fn=new_state_fn)
+        state = state_lib.initial_state({}, config, mesh, new_state_fn=new_state_fn)
     else:
         init = state_lib.new_model_state(config, new_state_fn)
         state = jax.jit(init, out_shardings=state_lib.state_shardings(jax.eval_shape(init), mesh))()

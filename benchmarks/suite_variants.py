@@ -137,7 +137,7 @@ def dp_bare_run(size: Dict[str, int], steps: int, log_every: int) -> Dict[str, A
     graphdef, _ = state_lib.abstract_params(config)
     abstract = state_lib.abstract_state(config, mesh, new_state_fn)
     step_fn = jit_train_step(graphdef, optimizer, 1, jax.tree.map(lambda a: a.sharding, abstract), mesh)
-    state = state_lib.initial_state({}, config, optimizer, mesh, new_state_fn=new_state_fn)
+    state = state_lib.initial_state({}, config, mesh, new_state_fn=new_state_fn)
     rows = make_rows({"id": np.arange(steps * size["batch"] * processes)}, size["vocab"], size["seq"])
     sharding = NamedSharding(mesh, PartitionSpec("dp"))
     starts = ((i * processes + rank) * size["batch"] for i in range(steps))

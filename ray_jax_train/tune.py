@@ -89,21 +89,15 @@ class TuneOutcome:
     experiment_dir: str = ""  # <storage>/<search name>: Tune's state, best.json, the shared tokenizer
 
     def restore_best_params(self):
-        """The best trial's parameters, restored from its checkpoint into this process's local devices."""
+        """The best trial's parameters, restored from its checkpoint onto one device of this process."""
         if self.best_checkpoint is None:
             raise FileNotFoundError("The best trial saved no checkpoint; set training.save_steps to keep one "
                                     f"(its final_model/ is in {self.best_run_dir}).")
         from ray_jax_train.lm.state import restore_params
-        from ray_jax_train.lm.step import make_optimizer, new_state
-        from ray_jax_train.mesh import make_mesh
         from ray_jax_train.text import load_tokenizer
 
-        config = self.best_config
-        model_config = config.llama_config(load_tokenizer(self.tokenizer_path))
-        args = config.training_arguments()
-        optimizer, _ = make_optimizer(args, args.total_steps or 1)
-        return restore_params(self.best_checkpoint, model_config, optimizer, make_mesh({"dp": -1}),
-                              new_state_fn=lambda params, step: new_state(params, optimizer, step))
+        model_config = self.best_config.llama_config(load_tokenizer(self.tokenizer_path))
+        return restore_params(self.best_checkpoint, model_config)
 
 
 def require_param_space(config: ExperimentConfig) -> None:

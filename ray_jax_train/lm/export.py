@@ -137,23 +137,8 @@ def _config_from(model_config: Any):
 
 def _restore_model(checkpoint: str, model_config):
     """The checkpoint's params in a model of `model_config`, on one device of this process."""
-    import jax
     from flax import nnx
 
-    from ray_jax_train.checkpoint import abstract_state, restore
-    from ray_jax_train.lm.state import abstract_params
+    from ray_jax_train.lm.state import abstract_params, restore_params
 
-    graphdef, expected = abstract_params(model_config)
-    # Host memory when there is a CPU backend: the export gathers every weight to the host anyway, and an
-    # accelerator might not hold the whole model.
-    try:
-        device = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        device = jax.local_devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    target = abstract_state({"params": expected}, jax.tree.map(lambda _: sharding, {"params": expected}))
-    restored = restore(target, checkpoint=checkpoint, fallback=False, partial=True)
-    if restored is None:
-        raise FileNotFoundError(f"No checkpoint found at {checkpoint}.")
-    logger.info("Restored the params of step %d from %s.", restored.step, checkpoint)
-    return nnx.merge(graphdef, restored.state["params"])
+    return nnx.merge(abstract_params(model_config)[0], restore_params(checkpoint, model_config))

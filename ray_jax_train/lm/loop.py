@@ -102,7 +102,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                              jax.tree.map(lambda leaf: leaf.sharding, abstract), mesh)
     if first_epoch is not None:
         first_epoch = _compile_ahead(step_fn, mesh, abstract, first_epoch)
-    state = state_lib.initial_state(config.get("init") or {}, model_config, optimizer, mesh, new_state_fn=new_state_fn)
+    state = state_lib.initial_state(config.get("init") or {}, model_config, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}
     resumed_at = None

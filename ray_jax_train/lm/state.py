@@ -9,6 +9,7 @@ Starting points, in the order `RayDistributedTrainer.train` picks them (see `ini
 """
 from __future__ import annotations
 
+import logging
 import os
 from functools import partial
 from typing import Any, Dict, Optional
@@ -21,6 +22,8 @@ from ray_jax_train.config import LlamaConfig
 from ray_jax_train.lm.step import keep_hyperparameters
 from ray_jax_train.models import create_model
 from ray_jax_train.models.llama import init_parts
+
+logger = logging.getLogger(__name__)
 
 SOURCES = ("state", "model", "checkpoint", "hf", "scratch")
 
@@ -185,7 +188,7 @@ def load_hf_params(path: str, config: LlamaConfig) -> Dict[str, Any]:
     return params
 
 
-def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *, new_state_fn):
+def initial_state(init: Dict[str, Any], config: LlamaConfig, mesh, *, new_state_fn):
     """The sharded train state for the starting point `init` (see the module docstring).
 
     `new_state_fn(params, step) -> state` builds the optimizer state; it runs under jit so every leaf of
@@ -211,7 +214,7 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
         params = shard_state(load_hf_params(init["path"], config), mesh)
     else:
         _check_visible_here(init["path"])
-        params = restore_params(init["path"], config, optimizer, mesh, new_state_fn)
+        params = restore_params(init["path"], config, state_shardings(expected, mesh))
 
     shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
     # Params made here are donated: the state's params alias them instead of holding a second copy at start-up.
@@ -227,17 +230,27 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, optimizer, mesh, *,
     return state
 
 
-def restore_params(path: str, config: LlamaConfig, optimizer, mesh, new_state_fn):
+def restore_params(path: str, config: LlamaConfig, shardings=None):
     """Parameters from a ray_jax_train checkpoint directory: only the params are read, so the checkpoint may come
-    from a run with other optimizer settings (or an older optimizer state layout)."""
+    from a run with other optimizer settings (or an older optimizer state layout), and no optimizer is built.
+
+    `shardings`: a tree of the params' shardings; default one device of this process, in host memory where there
+    is a CPU backend (what gathering the weights for an export or a notebook wants; an accelerator may not hold
+    the whole model)."""
     from ray_jax_train.checkpoint import abstract_state, restore
 
     _, expected = abstract_params(config)
-    target = jax.eval_shape(lambda p: new_state_fn(p, 0), expected)
-    target = abstract_state(target, state_shardings(target, mesh))
-    restored = restore({"params": target["params"]}, checkpoint=path, fallback=False, partial=True)
+    if shardings is None:
+        try:
+            device = jax.local_devices(backend="cpu")[0]
+        except RuntimeError:
+            device = jax.local_devices()[0]
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), expected)
+    restored = restore({"params": abstract_state(expected, shardings)}, checkpoint=path, fallback=False,
+                       partial=True)
     if restored is None:
         raise FileNotFoundError(f"No checkpoint found at {path}.")
+    logger.info("Restored the params of step %d from %s.", restored.step, path)
     return restored.state["params"]
 
 
