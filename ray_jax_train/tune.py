@@ -89,15 +89,17 @@ class TuneOutcome:
     experiment_dir: str = ""  # <storage>/<search name>: Tune's state, best.json, the shared tokenizer
 
     def restore_best_params(self):
-        """The best trial's parameters, restored from its checkpoint onto one device of this process."""
+        """The best trial's parameters, restored from its checkpoint onto this process's devices."""
         if self.best_checkpoint is None:
             raise FileNotFoundError("The best trial saved no checkpoint; set training.save_steps to keep one "
                                     f"(its final_model/ is in {self.best_run_dir}).")
         from ray_jax_train.lm.state import restore_params
+        from ray_jax_train.mesh import make_mesh
         from ray_jax_train.text import load_tokenizer
 
         model_config = self.best_config.llama_config(load_tokenizer(self.tokenizer_path))
-        return restore_params(self.best_checkpoint, model_config)
+        # Over this process's default devices (the GPUs on a GPU machine), as a fresh model would be.
+        return restore_params(self.best_checkpoint, model_config, make_mesh({"dp": -1}))
 
 
 def require_param_space(config: ExperimentConfig) -> None:

@@ -18,6 +18,7 @@ import ray_jax_train as rjt
 from ray_jax_train.checkpoint import FAULTS_ENV
 
 from test_checkpoint import _assert_bitwise_equal, _leaves, checkpoint_loop, example
+from test_export import run  # noqa: F401  (a fixture: a finished 2-worker LM run with checkpoints)
 
 # Dummy credentials, signed like real ones. Set when this module is collected, before the session's Ray cluster
 # starts, so Ray's controller and workers (which inherit the environment) have them as well.
@@ -97,3 +98,22 @@ def test_checkpoints_in_s3_compatible_storage_resume_exactly(ray_cluster, s3_end
     np.savez(tmp_path / "driver.npz", *[np.asarray(x) for x in jax.tree.leaves(restored.state)])
     _assert_bitwise_equal(out / "final.npz", tmp_path / "driver.npz")
     assert len(_leaves(out / "final.npz")) == len(jax.tree.leaves(target))
+
+
+def test_a_checkpoint_in_s3_exports_through_its_endpoint_uri(s3_endpoint, run, tmp_path):
+    """`export_checkpoint` on a checkpoint URI that carries its endpoint (`?endpoint_override=...`): the run
+    directory and its model/ files were found by cutting the path inside the query, which named host "model"."""
+    from test_export import _checkpoints, _params
+
+    run_dir, _ = run
+    latest = _checkpoints(run_dir)[-1]
+    query = f"?endpoint_override={s3_endpoint}&region=us-east-1"
+    bucket = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", region="us-east-1")
+    for part in (os.path.basename(latest), "model"):
+        pafs.copy_files(os.path.join(run_dir, part), f"{BUCKET}/exported-run/{part}",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=bucket)
+    out = rjt.export_checkpoint(f"s3://{BUCKET}/exported-run/{os.path.basename(latest)}{query}", tmp_path / "out")
+    final = _params(os.path.join(run_dir, "final_model"))
+    exported = _params(out)
+    assert exported.keys() == final.keys() and all(np.array_equal(exported[k], final[k]) for k in final)
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))

@@ -38,7 +38,7 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     from ray_jax_train.models import save_pretrained
 
     checkpoint, run_dir = _resolve(os.fspath(source))
-    fs, model_files = storage.filesystem(f"{run_dir}/{MODEL_FILES}")
+    fs, model_files = storage.filesystem(_child(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
     if model_config is None:
         if not has_files:
@@ -77,7 +77,9 @@ def _resolve(source: str):
 
     fs, path = storage.filesystem(source)
     path = path.rstrip("/")
-    where = source.rstrip("/") if storage.is_uri(source) else path  # local paths made absolute
+    # A URI keeps its query (an S3 endpoint_override) at the end of every path made from it.
+    where, query = source.partition("?")[::2] if storage.is_uri(source) else (path, "")
+    where, query = where.rstrip("/"), f"?{query}" if query else ""
 
     def has(name: str) -> bool:
         return fs.get_file_info(f"{path}/{name}").type != pafs.FileType.NotFound
@@ -87,7 +89,7 @@ def _resolve(source: str):
         what = "does not exist" if kind == pafs.FileType.NotFound else "is not a directory"
         raise FileNotFoundError(f"{source} {what}: give a checkpoint directory or a run directory.")
     if has(_CHECKPOINT_MARK):
-        return where, where.rsplit("/", 1)[0]
+        return where + query, where.rsplit("/", 1)[0] + query
     if has(_RUN_MARK):
         from ray.train import Result
 
@@ -97,17 +99,23 @@ def _resolve(source: str):
         level = manager_log.level
         manager_log.setLevel(max(level, logging.WARNING))
         try:
-            latest = Result.from_path(where).checkpoint
+            latest = Result.from_path(where + query).checkpoint
         finally:
             manager_log.setLevel(level)
         if latest is None:
             raise FileNotFoundError(f"The run {source} registered no checkpoint (training.save_steps saves them); "
                                     "its final_model/, if it finished, is already a Hugging Face directory.")
-        return f"{where}/{latest.path.rstrip('/').rsplit('/', 1)[-1]}", where
+        return f"{where}/{latest.path.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
     hint = " It is a Hugging Face model directory already." if has("config.json") else ""
     raise FileNotFoundError(
         f"{source} is neither a ray_jax_train checkpoint (no {_CHECKPOINT_MARK}) nor a Ray Train run directory "
         f"(no {_RUN_MARK}).{hint}")
+
+
+def _child(uri: str, name: str) -> str:
+    """`uri/name`, before a URI's query."""
+    base, sep, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
 
 
 def _read_config(fs, fs_path: str, shown: str):

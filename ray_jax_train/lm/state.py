@@ -214,7 +214,7 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, mesh, *, new_state_
         params = shard_state(load_hf_params(init["path"], config), mesh)
     else:
         _check_visible_here(init["path"])
-        params = restore_params(init["path"], config, state_shardings(expected, mesh))
+        params = restore_params(init["path"], config, mesh)
 
     shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
     # Params made here are donated: the state's params alias them instead of holding a second copy at start-up.
@@ -230,17 +230,19 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, mesh, *, new_state_
     return state
 
 
-def restore_params(path: str, config: LlamaConfig, shardings=None):
+def restore_params(path: str, config: LlamaConfig, mesh=None):
     """Parameters from a ray_jax_train checkpoint directory: only the params are read, so the checkpoint may come
     from a run with other optimizer settings (or an older optimizer state layout), and no optimizer is built.
 
-    `shardings`: a tree of the params' shardings; default one device of this process, in host memory where there
-    is a CPU backend (what gathering the weights for an export or a notebook wants; an accelerator may not hold
-    the whole model)."""
+    Placed on `mesh` by the partition rules; without one, on one device of this process, in host memory where
+    there is a CPU backend (an export gathers every weight to the host anyway, and an accelerator may not hold the
+    whole model)."""
     from ray_jax_train.checkpoint import abstract_state, restore
 
     _, expected = abstract_params(config)
-    if shardings is None:
+    if mesh is not None:
+        shardings = state_shardings(expected, mesh)
+    else:
         try:
             device = jax.local_devices(backend="cpu")[0]
         except RuntimeError:
