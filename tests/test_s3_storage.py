@@ -117,3 +117,7 @@ def test_a_checkpoint_in_s3_exports_through_its_endpoint_uri(s3_endpoint, run, t
     exported = _params(out)
     assert exported.keys() == final.keys() and all(np.array_equal(exported[k], final[k]) for k in final)
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+    # On S3 a save writes under its final name: without the commit file, written last, it is unfinished.
+    bucket.delete_file(f"{BUCKET}/exported-run/{os.path.basename(latest)}/commit_success.txt")
+    with pytest.raises(Exception, match=r"commit_success.txt is missing \(an unfinished or damaged save\)"):
+        rjt.export_checkpoint(f"s3://{BUCKET}/exported-run/{os.path.basename(latest)}{query}", tmp_path / "out2")

@@ -202,7 +202,13 @@ def _checkpoints_in(loc: _Location) -> List[str]:
         return []
     names = [e.base_name for e in entries if e.type == pafs.FileType.Directory and _NAME_RE.match(e.base_name)
              and TMP_SUFFIX not in e.base_name]
-    return sorted(n for n in names if _exists(loc.child(n), "_CHECKPOINT_METADATA"))
+    return sorted(n for n in names if all(_exists(loc.child(n), f) for f in _finished_marks(loc)))
+
+
+def _finished_marks(loc: _Location) -> Tuple[str, ...]:
+    """Files a finished checkpoint has. On S3 a save writes under its final name from the start (no rename), so
+    only orbax's commit file, written last, tells a finished one from one a crash cut short."""
+    return ("_CHECKPOINT_METADATA", "commit_success.txt") if _s3.is_s3(loc.filesystem) else ("_CHECKPOINT_METADATA",)
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -880,7 +886,7 @@ class JaxCheckpointer:
         try:
             if not _exists(loc):
                 return None, "the directory does not exist", None
-            for required in ("_CHECKPOINT_METADATA", f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
+            for required in (*_finished_marks(loc), f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
                 if not _exists(loc, required):
                     inside = _checkpoints_in(loc) if required == "_CHECKPOINT_METADATA" else []
                     if inside:  # a run directory, given for one of its checkpoints: not damage
