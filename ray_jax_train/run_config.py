@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype
 from ray_jax_train.lm.arguments import TrainingArguments
-from ray_jax_train.storage import absolute, is_uri
+from ray_jax_train.storage import absolute, is_uri, join
 
 __all__ = [
     "ConfigError",
@@ -761,7 +761,7 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
     was trained with: one trained again on changed data has the same size but other ids, so the weights would
     restore without complaint and train on scrambled tokens.
     """
-    from ray_jax_train.storage import exists, join, local_dir_for
+    from ray_jax_train.storage import exists, local_dir_for
     from ray_jax_train.text import ensure_pad_token, load_tokenizer, train_tokenizer
 
     if config.tokenizer.path is not None:
@@ -868,11 +868,11 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
 
     name = run_name or config.run_name()
     storage = absolute(config.run.storage_path)
-    run_dir = os.path.join(storage, name)
+    run_dir = join(storage, name)
     if tokenizer_path is not None:
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
     args = config.training_arguments(run_name=name)
-    tokenizer = ensure_tokenizer(config, os.path.join(run_dir, "tokenizer"), reuse=args.resume_if_possible)
+    tokenizer = ensure_tokenizer(config, join(run_dir, "tokenizer"), reuse=args.resume_if_possible)
     model_config = config.llama_config(tokenizer, warn=True)
     if args.mesh is None:
         args.mesh = {"dp": -1}
@@ -898,7 +898,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     if config.run.tensorboard:
         from ray_jax_train.plot import TensorBoardCallback
 
-        callbacks.append(TensorBoardCallback(os.path.join(run_dir, "tensorboard")))
+        callbacks.append(TensorBoardCallback(join(run_dir, "tensorboard")))
     trainer = JaxTrainer(
         quiet_train_loop if quiet else train_loop_per_worker,
         train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets,

@@ -40,10 +40,21 @@ def filesystem(path: str):
 
 
 def join(base: str, *parts: str) -> str:
-    """`os.path.join` that keeps a URI's scheme and slashes."""
+    """`os.path.join` that keeps a URI's scheme and slashes, and its query (an S3 endpoint_override) at the end."""
     if is_uri(base):
-        return "/".join([base.rstrip("/")] + [p.strip("/") for p in parts])
+        head, sep, query = base.partition("?")
+        return "/".join([head.rstrip("/")] + [p.strip("/") for p in parts]) + sep + query
     return os.path.join(base, *parts)
+
+
+def qualified(fs_path: str, storage: str) -> str:
+    """A path Ray reports within a URI storage's filesystem (`bucket/runs/...`, as `Checkpoint.path` is) as a URI
+    of that storage again: scheme in front, query (the endpoint) behind. Local paths pass unchanged."""
+    if not is_uri(storage) or is_uri(fs_path):
+        return fs_path
+    scheme, rest = storage.split("://", 1)
+    query = rest.partition("?")[2]
+    return f"{scheme}://{fs_path.lstrip('/')}" + (f"?{query}" if query else "")
 
 
 def exists(path: str) -> bool:

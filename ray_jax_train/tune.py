@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
                                       hf_tokenizer_dir, parse_config, read_file, trial_lengths)
-from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, read_text
+from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
 __all__ = ["SearchInterrupted", "TuneOutcome", "can_resume", "restore_best", "run", "search_space"]
@@ -236,7 +236,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     elif tune.Tuner.can_restore(experiment_dir):
         logger.warning("%s holds an earlier search under this name; this one starts again with new trials "
                        "(resume=True / `tune --resume` continues the earlier one instead).", experiment_dir)
-    tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or os.path.join(storage, name, "tokenizer")
+    tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or join(experiment_dir, "tokenizer")
     if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
         # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.
@@ -306,9 +306,10 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                            f"failed.{detail}")
     best_config = parse_config(_merge(base_data, best.config))
     trial_name = f"{name}-{best.metrics.get('trial_id')}"
+    checkpoint = best.metrics.get("checkpoint_path")  # within the storage filesystem: no scheme on a URI storage
     outcome = TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
-                          best_checkpoint=best.metrics.get("checkpoint_path"),
-                          best_run_dir=os.path.join(storage, trial_name), tokenizer_path=tokenizer_path,
+                          best_checkpoint=checkpoint and qualified(checkpoint, storage),
+                          best_run_dir=join(storage, trial_name), tokenizer_path=tokenizer_path,
                           metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space),
                           experiment_dir=experiment_dir)
     summary = {"config": best_config.model_dump(mode="json"), "metrics": _plain(best.metrics),

@@ -38,6 +38,19 @@ def test_absolute_keeps_uris_and_anchors_local_paths(tmp_path, monkeypatch):
     assert ExperimentConfig.model_validate({}).with_absolute_paths().data.source == "stdlib"
 
 
+def test_uri_paths_keep_their_query_and_ray_paths_get_their_scheme_back():
+    """An S3 storage_path carries its endpoint as a query: paths made from it put parts before the query (a run
+    directory under it was "?endpoint_override=http://h:9/run"), and the scheme-less path Ray reports for a
+    checkpoint (Tune's checkpoint_path) is a URI of that storage again."""
+    s3 = "s3://bkt/runs?endpoint_override=http://h:9&region=r"
+    assert storage.join(s3, "run", "tokenizer") == "s3://bkt/runs/run/tokenizer?endpoint_override=http://h:9&region=r"
+    assert storage.join("gs://b/runs/", "x") == "gs://b/runs/x"
+    assert storage.qualified("bkt/runs/t/checkpoint_1", s3) == \
+        "s3://bkt/runs/t/checkpoint_1?endpoint_override=http://h:9&region=r"
+    assert storage.qualified("b/runs/c", "gs://b/runs") == "gs://b/runs/c"
+    assert storage.qualified("/local/runs/c", "/local/runs") == "/local/runs/c"
+
+
 def test_metrics_on_an_object_store_keep_an_earlier_attempts_lines(tmp_path):
     fs = object_store(tmp_path / "bucket")
     first = RunOutputs(fs, "/run").metrics_file()

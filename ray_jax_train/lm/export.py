@@ -38,7 +38,7 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     from ray_jax_train.models import save_pretrained
 
     checkpoint, run_dir = _resolve(os.fspath(source))
-    fs, model_files = storage.filesystem(_child(run_dir, MODEL_FILES))
+    fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
     if model_config is None:
         if not has_files:
@@ -110,12 +110,6 @@ def _resolve(source: str):
     raise FileNotFoundError(
         f"{source} is neither a ray_jax_train checkpoint (no {_CHECKPOINT_MARK}) nor a Ray Train run directory "
         f"(no {_RUN_MARK}).{hint}")
-
-
-def _child(uri: str, name: str) -> str:
-    """`uri/name`, before a URI's query."""
-    base, sep, query = uri.partition("?")
-    return f"{base.rstrip('/')}/{name}{sep}{query}"
 
 
 def _read_config(fs, fs_path: str, shown: str):
