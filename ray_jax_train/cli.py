@@ -1,14 +1,14 @@
 """`ray-jax-train`: train, tune, plot and check configs from the command line (also `python -m ray_jax_train`).
 
     ray-jax-train fit examples/tiny_llama.yaml --set training.total_steps=50
-    ray-jax-train tune examples/tune_tiny_llama.yaml
+    ray-jax-train tune examples/tune_tiny_llama.yaml [--resume]
     ray-jax-train plot runs/tiny-llama
     ray-jax-train generate runs/tiny-llama --prompt "Once upon a time"
     ray-jax-train export runs/tiny-llama/checkpoint_000000200_1a2b3c4d exported/
     ray-jax-train config show examples/tiny_llama.yaml --set scaling.num_workers=2
     ray-jax-train config validate examples/tiny_llama.yaml
 
-Exit codes: 0 success, 2 bad config or usage (said before anything starts), 1 training failed.
+Exit codes: 0 success, 2 bad config or usage (said before anything starts), 1 training failed, 130 interrupted.
 Ray address: --address, else RAY_ADDRESS (set by `ray job submit`), else run.address, else a new local Ray.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                                "then run.address, then a new local Ray instance")
 
     parser = argparse.ArgumentParser(prog="ray-jax-train", parents=[common], description=__doc__.split("\n\n")[0],
-                                     epilog="Exit codes: 0 success, 2 bad config, 1 training failed.")
+                                     epilog="Exit codes: 0 success, 2 bad config, 1 training failed, 130 interrupted.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     sub.add_parser("fit", parents=[with_config, with_ray], help="train the model a config describes")
