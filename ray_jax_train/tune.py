@@ -160,6 +160,11 @@ def can_resume(config: ExperimentConfig) -> bool:
                        "that its config is this one.", experiment_dir, SEARCH_CONFIG)
         return True
     changed = _differences(started, _comparable(config))
+    moved = [key for key, _, _ in changed if key.startswith(_MAY_CHANGE_ON_RESUME)]
+    if moved:
+        logger.warning("Resuming the search in %s with other %s than it started with: the trials still to run use "
+                       "the new ones.", experiment_dir, ", ".join(moved))
+    changed = [c for c in changed if c[0] not in moved]
     if changed:
         shown = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed[:6])
         more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
@@ -168,6 +173,11 @@ def can_resume(config: ExperimentConfig) -> bool:
                           f"with (saved as {saved}, which `ray-jax-train tune {saved} --resume` reads), or give the "
                           "new search another tune.name")
     return True
+
+
+# Where the trials run and how they survive faults, not what they compute: a resumed search may have another
+# cluster (checkpoints restore into any worker count or mesh), and its trials are built from the new config.
+_MAY_CHANGE_ON_RESUME = ("scaling.", "run.max_failures", "tune.trial_cpus")
 
 
 def _comparable(config: ExperimentConfig) -> Dict[str, Any]:

@@ -5,8 +5,10 @@ resumed.
 The searches run through `ray-jax-train tune` in a subprocess with its own private Ray (and dashboard): Train's
 placement-group cleanup after a trial is stopped needs the state API, which the session cluster does not serve.
 """
+import copy
 import glob
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -142,6 +144,37 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     leaves = jax.tree.leaves(params)
     assert any(x.ndim == 2 and 32 in x.shape for x in leaves)
     assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+
+
+def test_a_resume_may_move_to_another_cluster_but_not_change_the_search(tmp_path, caplog):
+    """Scaling, fault tolerance and trial CPUs may differ on resume (a search outlives its cluster; checkpoints
+    restore into any worker count); what the trials compute may not."""
+    import yaml
+
+    from ray_jax_train.run_config import ConfigError, parse_config
+    from ray_jax_train.tune import SEARCH_CONFIG, _comparable, can_resume
+
+    tiny = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    tiny["run"] = {**(tiny.get("run") or {}), "storage_path": str(tmp_path)}
+    tiny["tune"]["name"] = "moved"
+    started = parse_config(tiny).with_absolute_paths()
+    search_dir = tmp_path / "moved"
+    search_dir.mkdir()
+    (search_dir / "tuner.pkl").write_bytes(b"")  # what Tuner.can_restore looks for
+    (search_dir / SEARCH_CONFIG).write_text(json.dumps(_comparable(started)))
+    assert can_resume(started)
+
+    moved = copy.deepcopy(tiny)
+    moved["scaling"] = {**(moved.get("scaling") or {}), "num_workers": 2}
+    moved["run"]["max_failures"] = 3
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.tune"):
+        assert can_resume(parse_config(moved))
+    assert "scaling.num_workers" in caplog.text and "run.max_failures" in caplog.text
+
+    changed = copy.deepcopy(tiny)
+    changed["training"]["weight_decay"] = 0.5
+    with pytest.raises(ConfigError, match=r"started with another config \(training.weight_decay: "):
+        can_resume(parse_config(changed))
 
 
 def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, capsys):
