@@ -85,6 +85,16 @@ def test_greedy_tokens_match_transformers_generate(model, prompts, greedy, tmp_p
     np.testing.assert_array_equal(greedy, hf_out[:, ids.shape[1]:].numpy())
 
 
+def test_a_model_sharded_over_a_mesh_generates_the_same_tokens(model, prompts, greedy):
+    # Weights sharded the way training leaves them (FSDP x TP over the test process's 4 CPU devices).
+    from ray_jax_train import llama_partition_rules, make_mesh, shard_by_rules
+
+    graphdef, state = nnx.split(model)
+    sharded = nnx.merge(graphdef, shard_by_rules(state, make_mesh({"fsdp": 2, "tp": 2}), llama_partition_rules()))
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(sharded))} == {4}
+    np.testing.assert_array_equal(np.asarray(generate(sharded, *prompts, max_new_tokens=12)), greedy)
+
+
 def test_eos_ends_a_row_and_pads_after_it(model, prompts, greedy):
     eos = int(greedy[0, 2])
     out = np.asarray(generate(model, *prompts, max_new_tokens=12, eos_token_id=[127, eos], pad_token_id=-1))
