@@ -304,6 +304,16 @@ def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):
     assert 13 <= restores[1]["step"] < 20 and restores[1]["step"] != 10, restores
 
 
+def test_checkpointer_metadata_that_no_save_could_write_is_refused_at_once():
+    from ray_jax_train.checkpoint import JaxCheckpointer
+
+    with pytest.raises(ValueError, match=r"keys the checkpointer writes itself: \['step'\]; rename them"):
+        JaxCheckpointer(handle_preemption=False, metadata={"step": 3, "model": "tiny"})
+    with pytest.raises(ValueError, match="must be JSON-serialisable"):
+        JaxCheckpointer(handle_preemption=False, metadata={"dtype": np.float32})
+    assert JaxCheckpointer(handle_preemption=False, metadata={"model": "tiny"}).metadata == {"model": "tiny"}
+
+
 def test_sigterm_kept_training_saves_once_and_is_never_forced_out(monkeypatch):
     """exit_after_sigterm_save=False: the SIGTERM's checkpoint is saved at the next check, later checks ask for no
     more saves, and neither the grace timer nor the end of training ends the worker. (In this process: the handler

@@ -1,4 +1,5 @@
 """Exporting a run's checkpoints as Hugging Face model directories (`export_checkpoint`, `ray-jax-train export`)."""
+import json
 import os
 import shutil
 
@@ -83,9 +84,13 @@ def test_export_says_what_it_needs(run, tmp_path, capsys):
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "nor a Ray Train run directory" in capsys.readouterr().err
 
-    # A run from before model/ was saved: its checkpoint alone, with the model config given by hand.
+    # A checkpoint from before configs were saved in checkpoints, of a run from before model/ was saved: it
+    # needs the model config given by hand.
     old = tmp_path / "old_run" / os.path.basename(_checkpoints(run_dir)[-1])
     shutil.copytree(_checkpoints(run_dir)[-1], old)
+    meta = json.loads((old / "meta" / "metadata").read_text())
+    del meta["hf_config"]
+    (old / "meta" / "metadata").write_text(json.dumps(meta))
     with pytest.raises(FileNotFoundError, match="no model/config.json.*model_config=<a directory with its "
                                                 "config.json"):
         export_checkpoint(old, tmp_path / "out")
@@ -99,3 +104,26 @@ def test_export_says_what_it_needs(run, tmp_path, capsys):
     rjt.save_pretrained(rjt.create_model(load_hf_config(final).replace(hidden_size=64)), other)
     assert main(["export", str(old), str(tmp_path / "out"), "--model-config", str(other)]) == 2
     assert "holds a different train state" in capsys.readouterr().err
+
+
+def test_each_checkpoint_exports_with_the_config_it_was_trained_with(run, tmp_path):
+    run_dir, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    trained = json.loads((copy / "model" / "config.json").read_text())
+    # A resume that changed a setting the restore's shape check cannot see rewrites model/config.json ...
+    (copy / "model" / "config.json").write_text(json.dumps({**trained, "rope_theta": 1234.0}))
+    early = _checkpoints(copy)[0]
+    out = export_checkpoint(early, tmp_path / "early")
+    # ... but the earlier checkpoint keeps its own config, and model/ still gives the tokenizer.
+    assert json.loads((tmp_path / "early" / "config.json").read_text())["rope_theta"] == trained["rope_theta"]
+    assert os.path.isfile(os.path.join(out, "tokenizer.json"))
+
+    # A checkpoint alone, with no model/ beside it, exports too.
+    alone = tmp_path / "alone" / os.path.basename(early)
+    shutil.copytree(early, alone)
+    export_checkpoint(alone, tmp_path / "alone_out")
+    assert load_hf_config(tmp_path / "alone_out") == load_hf_config(tmp_path / "early")
+    assert not os.path.isfile(tmp_path / "alone_out" / "tokenizer.json")
+    # model/ holds only whole files (they are written aside, then moved in).
+    assert sorted(os.listdir(copy / "model")) == sorted(n for n in os.listdir(copy / "model") if not n.startswith("."))

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "ray_jax_train.checkpoint/1"
 STATE_ITEM, META_ITEM = "state", "meta"
+META_FILE = f"{META_ITEM}/metadata"  # the JSON item: step, data position, checksums' file, the user's metadata
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _NAME_RE = re.compile(r"^checkpoint_(\d{9})_([0-9a-f]{8})$")
 
@@ -373,6 +374,24 @@ def _composite_handler(loc: Optional[_Location] = None):
     )
 
 
+_OWN_META_KEYS = ("format", "step", "data_state", "checksums", "process_count", "time")
+
+
+def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """`metadata` as a dict, refused at construction (not at the first save, an hour in) if a save could not
+    write it."""
+    metadata = dict(metadata or {})
+    taken = sorted(set(metadata) & set(_OWN_META_KEYS))
+    if taken:
+        raise ValueError(f"JaxCheckpointer(metadata=...) uses keys the checkpointer writes itself: {taken}; "
+                         "rename them.")
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"JaxCheckpointer(metadata=...) must be JSON-serialisable: {exc}") from None
+    return metadata
+
+
 class _PendingSave:
     def __init__(self, name: str, location: _Location, step: int, checksums=None, paths=None):
         self.name, self.location, self.step = name, location, step
@@ -429,6 +448,9 @@ class JaxCheckpointer:
         sigterm_grace_s: after a SIGTERM, exit anyway if no checkpoint was saved within this time.
         timeout_s: how long a worker waits for the others: for the slowest reader of a restore, the slowest
             writer of a save, and Ray's list of checkpoints. Raise it for states that take longer to read or write.
+        metadata: JSON-serialisable facts saved with every checkpoint, inside its atomic commit, and given back in
+            `Restored.metadata` (the LM loop keeps the model's config there, so each checkpoint exports with the
+            config it was trained with).
     """
 
     def __init__(
@@ -442,11 +464,13 @@ class JaxCheckpointer:
         exit_after_sigterm_save: bool = True,
         sigterm_grace_s: float = 120.0,
         timeout_s: float = 600.0,
+        metadata: Optional[Mapping[str, Any]] = None,
     ):
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every={save_every!r} must be a positive integer or None.")
         if not isinstance(preemption_check_every, int) or preemption_check_every < 1:
             raise ValueError(f"preemption_check_every={preemption_check_every!r} must be a positive integer.")
+        self.metadata = _checked_metadata(metadata)
         self.save_every = save_every
         self.async_save = async_save
         self.verify = verify
@@ -611,6 +635,7 @@ class JaxCheckpointer:
         name = self._name(step)
         location = self.location.child(name)
         meta = {
+            **self.metadata,
             "format": FORMAT,
             "step": step,
             "data_state": data_state,
@@ -886,14 +911,14 @@ class JaxCheckpointer:
         try:
             if not _exists(loc):
                 return None, "the directory does not exist", None
-            for required in (*_finished_marks(loc), f"{META_ITEM}/metadata", f"{STATE_ITEM}/_METADATA"):
+            for required in (*_finished_marks(loc), META_FILE, f"{STATE_ITEM}/_METADATA"):
                 if not _exists(loc, required):
                     inside = _checkpoints_in(loc) if required == "_CHECKPOINT_METADATA" else []
                     if inside:  # a run directory, given for one of its checkpoints: not damage
                         return None, (f"it is not a checkpoint but a directory of {len(inside)}; the latest is "
                                       f"{loc.uri.rstrip('/')}/{inside[-1]}"), None
                     return None, f"{required} is missing (an unfinished or damaged save)", None
-            meta = _read_json(loc, f"{META_ITEM}/metadata")
+            meta = _read_json(loc, META_FILE)
             if meta.get("format") != FORMAT:
                 return None, f"not a ray_jax_train checkpoint (format {meta.get('format')!r})", None
             handler = _composite_handler()

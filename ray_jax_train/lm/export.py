@@ -1,8 +1,9 @@
 """Turn a train-state checkpoint of a causal-LM run into a Hugging Face model directory.
 
 A run writes `final_model/` only when training ends; `export_checkpoint` gives the same directory for any of its
-checkpoints (an interrupted run's latest, or the best one Ray kept). The checkpoint holds the params but not the
-model config or the tokenizer: runs with `save_steps` keep those in `<run>/model/` (see `RunOutputs`).
+checkpoints (an interrupted run's latest, or the best one Ray kept). Each checkpoint holds the params and the HF
+config it was trained with; the tokenizer is in `<run>/model/` (see `RunOutputs`), with the config of the run's
+latest start, which checkpoints from before the config was saved with them fall back to.
 
     export_checkpoint("runs/tiny-llama", "exported")                      # the run's latest checkpoint
     export_checkpoint("runs/tiny-llama/checkpoint_000000200_1a2b3c4d", "step200")
@@ -16,6 +17,7 @@ from typing import Any, Union
 logger = logging.getLogger(__name__)
 
 MODEL_FILES = "model"  # in the run directory: the HF config.json and the tokenizer's files
+HF_CONFIG_KEY = "hf_config"  # in a checkpoint's metadata: the config.json its params were trained with
 _CHECKPOINT_MARK = "_CHECKPOINT_METADATA"
 _RUN_MARK = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
 
@@ -40,7 +42,10 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     checkpoint, run_dir = _resolve(os.fspath(source))
     fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
-    if model_config is None:
+    own_config = _checkpoint_hf_config(checkpoint) if model_config is None else None
+    if own_config is not None:
+        model_config = _config_from_dict(own_config, f"{checkpoint}'s {HF_CONFIG_KEY}")
+    elif model_config is None:
         if not has_files:
             raise FileNotFoundError(
                 f"{run_dir} has no {MODEL_FILES}/config.json: the run was made before ray_jax_train saved its model "
@@ -112,17 +117,33 @@ def _resolve(source: str):
         f"(no {_RUN_MARK}).{hint}")
 
 
-def _read_config(fs, fs_path: str, shown: str):
+def _read_json(fs, fs_path: str):
     import json
 
+    with fs.open_input_stream(fs_path) as f:
+        return json.loads(f.read().decode())
+
+
+def _read_config(fs, fs_path: str, shown: str):
+    return _config_from_dict(_read_json(fs, fs_path), shown)
+
+
+def _config_from_dict(data: dict, shown: str):
     from ray_jax_train.config import LlamaConfig
 
-    with fs.open_input_stream(fs_path) as f:
-        data = json.loads(f.read().decode())
     try:
         return LlamaConfig.from_hf(data)
     except ValueError as exc:
         raise ValueError(f"{shown}: {exc}") from exc
+
+
+def _checkpoint_hf_config(checkpoint: str):
+    """The HF config saved in the checkpoint itself, or None (a checkpoint from before configs were saved there)."""
+    from ray_jax_train import storage
+    from ray_jax_train.checkpoint.core import META_FILE
+
+    fs, path = storage.filesystem(storage.join(checkpoint, META_FILE))
+    return _read_json(fs, path).get(HF_CONFIG_KEY)
 
 
 def _config_from(model_config: Any):

@@ -21,11 +21,15 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
+
+from ray_jax_train.lm.export import HF_CONFIG_KEY, MODEL_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                                 skip_batches=skip, local_shuffle_buffer_size=args.shuffle_buffer_size,
                                 local_shuffle_seed=args.seed + epoch if args.shuffle_buffer_size else None)
 
-    checkpointer = _checkpointer(args)
+    checkpointer = _checkpointer(args, model_config)
     # A fresh run starts reading now, so Ray Data's first batch (seconds) arrives while the state is built and
     # the step compiles; a resumed run must first learn from its checkpoint where in the data it stopped.
     may_resume = checkpointer is not None and args.resume_if_possible and ray.train.get_checkpoint() is not None
@@ -435,12 +439,16 @@ def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
             "loss_tokens": float(np.sum(tokens))}
 
 
-def _checkpointer(args):
+def _checkpointer(args, model_config):
     if not (args.save_steps or args.resume_if_possible):
         return None
     from ray_jax_train.checkpoint import JaxCheckpointer
 
-    return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps))
+    # Each checkpoint carries the HF config it was trained with: `export_checkpoint` needs no other file, and a
+    # resume that changes a setting the restore cannot see (rope_theta) leaves earlier checkpoints' configs alone.
+    hf_config = None if model_config.hf_export_problem() else model_config.to_hf_dict()
+    return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps),
+                           metadata={HF_CONFIG_KEY: hf_config} if hf_config else None)
 
 
 def _train_run_id() -> Optional[str]:
@@ -497,18 +505,24 @@ class RunOutputs:
         Rank 0 only. Skipped for a config HF cannot load, whose checkpoints have no HF form to export to."""
         import ray
 
-        from ray_jax_train.lm.export import MODEL_FILES
         from ray_jax_train.storage import local_dir_for
 
         problem = model_config.hf_export_problem()
         if problem is not None:
             logger.info("This run's checkpoints cannot be exported as a Hugging Face model: %s", problem)
             return
+        # Written aside, then each file moved in whole: a crash mid-write leaves the earlier files, not torn ones.
         with local_dir_for(f"{self.run_path}/{MODEL_FILES}", self.filesystem) as local:
-            if tokenizer_ref is not None:
-                ray.get(tokenizer_ref).save_pretrained(local)
-            with open(os.path.join(local, "config.json"), "w") as f:
-                json.dump(model_config.to_hf_dict(), f, indent=2)
+            staging = tempfile.mkdtemp(prefix=".writing_", dir=local)
+            try:
+                if tokenizer_ref is not None:
+                    ray.get(tokenizer_ref).save_pretrained(staging)
+                with open(os.path.join(staging, "config.json"), "w") as f:
+                    json.dump(model_config.to_hf_dict(), f, indent=2)
+                for name in os.listdir(staging):
+                    os.replace(os.path.join(staging, name), os.path.join(local, name))
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
     def save_final_model(self, model, tokenizer_ref, rank0: bool) -> None:
         """HF safetensors and the tokenizer. Every process calls it (gathering sharded params is collective)."""
