@@ -244,8 +244,10 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         # Not an error: a job that may be retried runs the same command, --resume included, every time.
         logger.warning("No earlier search in %s to resume: starting it.", experiment_dir)
     elif tune.Tuner.can_restore(experiment_dir):
-        logger.warning("%s holds an earlier search under this name; this one starts again with new trials "
-                       "(resume=True / `tune --resume` continues the earlier one instead).", experiment_dir)
+        aside = set_aside_search_state(experiment_dir)
+        logger.warning("%s holds an earlier search under this name; this one starts again with new trials, and the "
+                       "earlier one's state is kept in %s (resume=True / `tune --resume` continues the earlier one "
+                       "instead).", experiment_dir, aside)
     tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or join(experiment_dir, "tokenizer")
     if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
@@ -330,6 +332,35 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         with open(os.path.join(local, "best.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return outcome
+
+
+# What makes a directory a search that Tune restores and `restore_best` reads, as opposed to its trials' outputs.
+_SEARCH_STATE = ("tuner.pkl", "experiment_state-*", "basic-variant-state-*", "searcher-state-*",
+                 "search_gen_state-*", SEARCH_CONFIG, "best.json")
+
+
+def set_aside_search_state(experiment_dir: str) -> str:
+    """Move an earlier search's state into `<experiment_dir>/earlier_search_<time>/`; returns that directory.
+
+    A new search under an old name must not leave the old one restorable beside it: Tune resumes from the newest
+    `experiment_state-*` file, which until the new search saves its first one is the old search's, so a new
+    search stopped early then resumed would continue the old one's trials under the new config. The old trials'
+    own directories stay where they are (trial ids are new in every search).
+    """
+    import fnmatch
+    import time
+
+    import pyarrow.fs as pafs
+
+    from ray_jax_train.storage import filesystem
+
+    fs, path = filesystem(experiment_dir)
+    aside = f"earlier_search_{time.strftime('%Y%m%d-%H%M%S')}"
+    fs.create_dir(f"{path}/{aside}", recursive=True)
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        if info.type == pafs.FileType.File and any(fnmatch.fnmatch(info.base_name, p) for p in _SEARCH_STATE):
+            fs.move(info.path, f"{path}/{aside}/{info.base_name}")
+    return join(experiment_dir, aside)
 
 
 def _unfinished_trials(experiment_dir: str, expected: int) -> int:

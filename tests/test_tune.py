@@ -177,6 +177,30 @@ def test_a_resume_may_move_to_another_cluster_but_not_change_the_search(tmp_path
         can_resume(parse_config(changed))
 
 
+def test_a_new_search_under_an_old_name_sets_the_old_one_aside(tmp_path):
+    """Until a new search saves its first state, Tune would resume the old search's newest experiment_state file
+    under the new config; the old state is moved aside instead, and the old trials' outputs stay."""
+    from ray.tune import Tuner
+
+    from ray_jax_train.tune import set_aside_search_state
+
+    search = tmp_path / "search"
+    trial = search / "trial_e1faf_00000_0_lr=0.1_2026-11-25_12-43-59"
+    trial.mkdir(parents=True)
+    (trial / "result.json").write_text("{}")
+    (search / "tokenizer").mkdir()
+    state = ["tuner.pkl", "experiment_state-2026-11-25_12-43-59.json", "basic-variant-state-2026-11-25_12-43-59.json",
+             "search_config.json", "best.json"]
+    for name in state:
+        (search / name).write_text(name)
+    assert Tuner.can_restore(str(search))
+
+    aside = set_aside_search_state(str(search))
+    assert not Tuner.can_restore(str(search))
+    assert sorted(os.listdir(aside)) == sorted(state)
+    assert (trial / "result.json").exists() and (search / "tokenizer").is_dir()
+
+
 def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, capsys):
     """Ctrl-C during the second of 3 trials (1 at a time), then `tune --resume`. Before, Ctrl-C printed "search
     done" with the half-trained trial as the best, and running the search again started all its trials anew."""
