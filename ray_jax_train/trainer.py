@@ -94,7 +94,7 @@ class JaxTrainer(DataParallelTrainer):
 
     def fit(self):
         if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
-            _ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
+            ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
         with _fast_report_polling():
             return super().fit()
 
@@ -236,7 +236,7 @@ def _needs_data_tasks(datasets) -> bool:
     return any(not isinstance(ds, MaterializedDataset) for ds in (datasets or {}).values())
 
 
-def _ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
+def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     """Avoid the silent deadlock where the workers hold every CPU and Ray Data can never run a read task.
 
     Starting Ray ourselves (a local run) we oversubscribe logical CPUs, which is harmless on one machine.

@@ -335,20 +335,20 @@ def test_local_mode_runs_the_loop_here_without_starting_ray(monkeypatch, caplog)
 
 
 def test_cpu_headroom_check_uses_rays_cpu_count(ray_cluster, caplog):
-    from ray_jax_train.trainer import _ensure_ray_leaves_cpu_for_data, _worker_cpus
+    from ray_jax_train.trainer import ensure_ray_leaves_cpu_for_data, _worker_cpus
 
     assert _worker_cpus(ScalingConfig(num_workers=2)) == 1
     assert _worker_cpus(ScalingConfig(num_workers=2, use_gpu=True)) == 0  # Ray reserves no CPU for GPU workers
     assert _worker_cpus(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2})) == 2
     # The session cluster has 4 CPUs. GPU workers take none of them.
-    _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8, use_gpu=True), True)
+    ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8, use_gpu=True), True)
     # Workers that do not fit yet wait for Ray (an autoscaler may add nodes): a warning, not an error.
     with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
-        _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8), True)
+        ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8), True)
     assert "need 8 CPUs but the cluster has 4" in caplog.text
     # Workers that fit but take every CPU would starve Ray Data for ever.
     with pytest.raises(ValueError, match="Ray Data would have no CPU"):
-        _ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2}), True)
+        ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2}), True)
 
 
 def test_a_running_ray_start_cluster_is_named_before_a_private_ray_starts(tmp_path, caplog):

@@ -292,3 +292,30 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
     datasets, _, total = prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4}),
                                              materialize=True)
     assert total == 10 and datasets["train"].count() == len(rows)
+
+
+_SMALL_RAY_SCRIPT = """
+import json, sys
+import ray
+from test_distributed_trainer import make_trainer, sentences, one_step_args
+import pathlib
+ray.init(num_cpus=2, include_dashboard=False)  # as `ray.init()` on a 2-core machine
+tmp = pathlib.Path(sys.argv[2])
+(tmp / "train.jsonl").write_text("".join(json.dumps(row) + "\\n" for row in sentences(200)))
+args = one_step_args(tmp, "small").model_copy(update={"num_workers": 1})
+result = make_trainer(sys.argv[1]).train(1, args, str(tmp / "train.jsonl"))  # read by Ray Data tasks
+print("RESULT", json.dumps({"error": repr(result.error) if result.error else None}))
+"""
+
+
+def test_raw_text_trains_on_a_ray_with_one_cpu_beyond_the_workers(tokenizer_dir, tmp_path):
+    """1 worker on a 2-CPU Ray: streamed, the tokenizer actor held the other CPU and the read task never ran (the
+    run waited forever). It is tokenised before training instead."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _SMALL_RAY_SCRIPT, tokenizer_dir, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert 'RESULT {"error": null}' in done.stdout, done.stdout[-3000:]

@@ -207,6 +207,8 @@ def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:
 
 
 def _too_few_cpus(args: TrainingArguments) -> bool:
+    """Whether streaming the text pipeline during training could wait forever: it needs a CPU for the tokenizer
+    actor, which holds its CPU for the whole run, and one for a read task, beside the workers' (1 CPU each)."""
     import ray
 
-    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 1
+    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 2

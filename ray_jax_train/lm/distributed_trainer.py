@@ -282,7 +282,7 @@ class RayDistributedTrainer:
         from ray_jax_train.lm import state as state_lib
         from ray_jax_train.lm.data import prepare_lm_datasets
         from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
-        from ray_jax_train.trainer import JaxTrainer
+        from ray_jax_train.trainer import JaxTrainer, ensure_ray_leaves_cpu_for_data
 
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
         config = self._train_config(scaling_index, args, model)
@@ -307,6 +307,10 @@ class RayDistributedTrainer:
             given = ray.get(init["ref"])["params"]
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
 
+        scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)
+        # Before the first Ray Data call, which would start Ray itself with one CPU per core: too few on a small
+        # machine for the workers, the tokenizer actor and a read task at once (the stream then waits forever).
+        ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets=True)
         tokenizer = self._maybe_tokenizer()
         datasets, columns, total_steps = prepare_lm_datasets(
             dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
@@ -318,7 +322,7 @@ class RayDistributedTrainer:
             train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
                                           tokenizer=tokenizer,
                                           **self._extra_loop_config),
-            scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu),
+            scaling_config=scaling_config,
             jax_config=with_trace_flags(JaxConfig(num_cpu_devices=args.num_cpu_devices), args),
             run_config=RunConfig(
                 name=run_name,
