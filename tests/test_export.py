@@ -114,6 +114,8 @@ def test_each_checkpoint_exports_with_the_config_it_was_trained_with(run, tmp_pa
     # A resume that changed a setting the restore's shape check cannot see rewrites model/config.json ...
     (copy / "model" / "config.json").write_text(json.dumps({**trained, "rope_theta": 1234.0}))
     early = _checkpoints(copy)[0]
+    # (The data position is saved with the batch size it counts in, for a resume with another batch_size.)
+    assert json.loads(open(os.path.join(early, "meta", "metadata")).read())["data_state"]["batch_size"] == 4
     out = export_checkpoint(early, tmp_path / "early")
     # ... but the earlier checkpoint keeps its own config, and model/ still gives the tokenizer.
     assert json.loads((tmp_path / "early" / "config.json").read_text())["rope_theta"] == trained["rope_theta"]

@@ -2,6 +2,7 @@
 resume), argument checks."""
 import itertools
 import json
+import logging
 import os
 
 import jax
@@ -385,6 +386,20 @@ def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():
         list(itertools.islice(epoch_batches(lambda e, s: iter(()), 0, 0, 8), 1))
     with pytest.raises(RuntimeError, match="Epoch 2 yielded no full global batch"):  # data gone after a resume
         list(itertools.islice(epoch_batches(lambda e, s: iter(([1] if e < 2 else [])[s:]), 1, 1, 8), 1))
+
+
+def test_a_resume_with_another_batch_size_skips_the_rows_trained_on(caplog):
+    """The saved position counts batches: read with a new batch_size as it was, 10 batches of 4 rows skipped 80
+    rows where 40 were trained on."""
+    from ray_jax_train.lm.loop import resume_position
+
+    assert resume_position({"epoch": 1, "batch": 10, "batch_size": 4}, 4) == {"epoch": 1, "batch": 10}
+    assert resume_position({"epoch": 1, "batch": 10}, 8) == {"epoch": 1, "batch": 10}  # saved before sizes were
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.loop"):
+        assert resume_position({"epoch": 1, "batch": 10, "batch_size": 4}, 8) == {"epoch": 1, "batch": 5}
+        assert resume_position({"epoch": 0, "batch": 5, "batch_size": 4}, 8) == {"epoch": 0, "batch": 2}
+        assert resume_position({"epoch": 0, "batch": 3, "batch_size": 8}, 4) == {"epoch": 0, "batch": 6}
+    assert "skipping the 20 rows of epoch 0 it had trained on (4 of them are trained on again" in caplog.text
 
 
 def test_loop_without_total_steps_fails_clearly():

@@ -199,7 +199,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         # The others raise only once it is written: the first error seen tears the group down, rank 0 included.
         _sync.allgather("nonfinite", "1", key=f"nonfinite/{bad_step}")
 
-    position = {"epoch": int(data_pos["epoch"]), "batch": int(data_pos["batch"])}
+    position = resume_position(data_pos, args.batch_size)
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
     try:
@@ -242,7 +242,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         metrics_file.append(json.dumps(record))
                     ray.train.report(record)
                 if checkpointer is not None:
-                    checkpointer.maybe_save(step, state, metrics=checkpoint_metrics, data_state=dict(position))
+                    checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
+                                            data_state={**position, "batch_size": args.batch_size})
                 if step >= total_steps:
                     break
     finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)
@@ -255,13 +256,32 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         checkpoint_metrics()  # the last steps' update, before the final checkpoint and model keep it
     if checkpointer is not None:
         if args.save_steps and step % args.save_steps and step != resumed_at:  # resumed at the end: saved already
-            checkpointer.save(step, state, metrics=dict(last), data_state=dict(position))
+            checkpointer.save(step, state, metrics=dict(last), data_state={**position, "batch_size": args.batch_size})
         checkpointer.close()
     recorder.params("final_params", state["params"])
     if args.save_final_model:
         from flax import nnx
 
         outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
+
+
+def resume_position(data_state: Dict[str, Any], batch_size: int) -> Dict[str, int]:
+    """`{"epoch", "batch"}` to go on from, in batches of `batch_size`, for a saved data position.
+
+    The position counts batches of the size the checkpoint was trained with (recorded since this check): a resume
+    with another `batch_size` skips the same rows, rounded down to a whole batch, so a few rows are seen twice
+    rather than some never seen.
+    """
+    epoch, batch = int(data_state["epoch"]), int(data_state["batch"])
+    saved = int(data_state.get("batch_size") or batch_size)
+    if saved == batch_size:
+        return {"epoch": epoch, "batch": batch}
+    rows = batch * saved
+    again = rows % batch_size
+    logger.warning("Resuming with batch_size=%d, where the checkpoint trained with %d: skipping the %d rows of epoch "
+                   "%d it had trained on%s.", batch_size, saved, rows, epoch,
+                   f" ({again} of them are trained on again, to start on a whole batch)" if again else "")
+    return {"epoch": epoch, "batch": rows // batch_size}
 
 
 def epoch_batches(open_epoch: Callable[[int, int], Iterator], epoch: int, skip: int, batch_size: int):
