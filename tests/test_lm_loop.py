@@ -606,3 +606,25 @@ def test_step_profiler_window_resume_and_a_trace_already_running(tmp_path, caplo
         assert theirs.start_step is None and "Could not start the profile" in caplog.text
     finally:
         jax.profiler.stop_trace()  # still running: ours did not stop it (this would raise otherwise)
+
+
+def test_data_with_no_token_to_learn_fails_at_the_first_log_step(ray_cluster, tmp_path):
+    """Chat data with no assistant turn (or rows whose loss_mask is all 0) trained "successfully" before: loss and
+    grad norm 0 at every step, weights unchanged, exit 0."""
+    import ray.data
+    from ray.train import TrainingFailedError
+
+    rows = packed_rows(16)
+    rows["loss_mask"] = np.zeros_like(rows["loss_mask"])
+    dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    args = TrainingArguments(total_steps=6, batch_size=4, max_sequence_length=SEQ, log_steps=2,
+                             save_final_model=False, progress_bar=False)
+    trainer = rjt.JaxTrainer(
+        train_loop_per_worker,
+        train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 6},
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(name="nothing", storage_path=str(tmp_path)), datasets={"train": dataset})
+    with pytest.raises(TrainingFailedError, match=r"No token of the 2 steps trained so far counted for the loss"):
+        trainer.fit()
+    metrics = tmp_path / "nothing" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # stopped before the first record

@@ -200,6 +200,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         _sync.allgather("nonfinite", "1", key=f"nonfinite/{bad_step}")
 
     position = resume_position(data_pos, args.batch_size)
+    loss_tokens_seen, startup_step = 0.0, step
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
     try:
@@ -229,6 +230,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         stacked = _fetch(pending)
                         _stop_if_not_finite(stacked, step, checkpointer, remember)
                         record.update(_summarise(stacked), learning_rate=float(schedule(step - 1)))
+                        loss_tokens_seen += record["loss_tokens"]
+                        if not loss_tokens_seen:  # the same global sum on every process: all raise together
+                            raise ValueError(_NO_LOSS_TOKENS.format(steps=step - startup_step))
                         record.update(throughput.read())
                         pending = []
                     if due_eval:
@@ -263,6 +267,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         from flax import nnx
 
         outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
+
+
+_NO_LOSS_TOKENS = (
+    "No token of the {steps} steps trained so far counted for the loss (loss_tokens 0): the model learns nothing "
+    "from this data. Chat data needs assistant turns (only their tokens are trained on); pre-tokenised rows need "
+    "loss_mask 1 on the tokens to learn. Check the data's messages column, or train on text instead.")
 
 
 def resume_position(data_state: Dict[str, Any], batch_size: int) -> Dict[str, int]:
