@@ -175,7 +175,7 @@ def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir,
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(state_params))
 
 
-def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
+def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     with pytest.raises(ValueError, match="model_type='gpt9' is not supported"):
         RayDistributedTrainer(tokenizer_dir, model_type="gpt9")
     with pytest.raises(ValueError, match="model_task"):
@@ -216,6 +216,23 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match="step=5 but no opt_state"):
         _, params = split_model(trainer.create_model(scaling_index=1))
         trainer.train(1, args, sentences(10), state={"params": params, "step": 5})
+    # An HF model directory alone gives config and tokenizer (EasyDeL's meaning): said, since users mean to fine-tune.
+    from ray_jax_train.models import save_pretrained
+    from ray_jax_train.text import load_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    save_pretrained(trainer.create_model(scaling_index=1), hf_dir)
+    load_tokenizer(tokenizer_dir).save_pretrained(hf_dir)
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):
+        with pytest.raises(EmptyDatasetError):
+            RayDistributedTrainer(str(hf_dir)).train(1, args, [])
+    assert f"Training from randomly initialised weights: {hf_dir} gives the model config" in caplog.text
+    assert f"checkpoint_path='{hf_dir}'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):
+        with pytest.raises(EmptyDatasetError):
+            RayDistributedTrainer(str(hf_dir), checkpoint_path=str(hf_dir)).train(1, args, [])
+    assert "randomly initialised" not in caplog.text
 
 
 def test_config_round_trip_scaling_and_samples(tokenizer_dir, tmp_path):

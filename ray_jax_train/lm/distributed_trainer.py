@@ -297,6 +297,13 @@ class RayDistributedTrainer:
             args.check_devices(args.num_devices())
             args.check_model_on_mesh(config, args.num_devices())
         init = state_lib.init_spec(state=state, model=model, checkpoint_path=self.checkpoint_path)
+        pretrained = self.pretrained_model_name_or_path
+        if init["source"] == "scratch" and pretrained and os.path.isdir(pretrained) \
+                and state_lib.is_hf_model_dir(pretrained):
+            # EasyDeL's meaning (the directory gives config and tokenizer), which a user fine-tuning rarely expects.
+            logger.warning("Training from randomly initialised weights: %s gives the model config and tokenizer "
+                           "only. To fine-tune its weights, pass checkpoint_path=%r too (CLI: model.init_from).",
+                           pretrained, pretrained)
         if init["source"] == "hf":
             state_lib.check_hf_dir_fits(init["path"], config, "Give the trainer the sizes the directory was saved "
                                         "with (config_scaling_variables, config_variables, scaling_index), or leave "
