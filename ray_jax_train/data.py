@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import numbers
 import queue
 import threading
@@ -17,6 +18,8 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ray_jax_train.mesh import batch_axes_of
+
+logger = logging.getLogger(__name__)
 
 REMAINDERS = ("drop", "pad")
 _call_counter = itertools.count()
@@ -173,7 +176,8 @@ def iter_jax_batches(
         local_shuffle_buffer_size=local_shuffle_buffer_size,
         local_shuffle_seed=local_shuffle_seed,
     )
-    host_batches = _split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows)
+    read = _RowCount(_split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows))
+    host_batches = read
     if sync and jax.process_count() > 1:
         # What each process opened: iterators are matched by opening order, so a mismatch is a loud error, not
         # one process's eval batches agreed against another's train batches.
@@ -183,7 +187,8 @@ def iter_jax_batches(
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
-    host_batches = itertools.islice(host_batches, skip_batches, None)
+    host_batches = itertools.islice(_warn_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches,
+                                    None)
 
     global_shape_of = lambda array: (batch_size,) + array.shape[1:]  # noqa: E731
 
@@ -194,6 +199,37 @@ def iter_jax_batches(
         }
 
     return _prefetched(map(to_device, host_batches), prefetch)
+
+
+class _RowCount:
+    """An iterator of host batches that counts the rows it gave."""
+
+    def __init__(self, batches):
+        self._batches, self.rows = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._batches)
+        self.rows += _rows(batch)
+        return batch
+
+
+def _warn_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int):
+    """Pass `batches` on; if there were none although rows were read, say why (a loop over them just ends)."""
+    given = 0
+    for batch in batches:
+        given += 1
+        yield batch
+    if not given and read.rows:
+        import jax
+
+        logger.warning(
+            "iter_jax_batches gave no batch although this process read %d rows: a batch (batch_size=%d) takes %d "
+            "rows from each of the %d processes, and remainder='drop' drops a tail too short for that. Use a "
+            "smaller batch_size, more data, or remainder='pad'.", read.rows, batch_size, local_rows,
+            jax.process_count())
 
 
 def _split_rows(batches, rows: int):
