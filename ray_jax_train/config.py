@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "DEFAULT_SCALING_VARIABLES",
@@ -72,6 +74,29 @@ DType = Annotated[str, _dtype_validator("dtype"), PlainSerializer(lambda v: v, r
 ParamDType = Annotated[str, _dtype_validator("param_dtype"), PlainSerializer(lambda v: v, return_type=str)]
 
 
+def _takes_number(annotation: Any) -> bool:
+    """Whether an int or float is part of a field's type (Optional[int], Dict[str, float], tuple[int, ...])."""
+    if annotation in (int, float):
+        return True
+    return any(_takes_number(arg) for arg in typing.get_args(annotation))
+
+
+def _holds_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_bool(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_bool(v) for v in value)
+
+
+def refuse_bool_numbers(cls, value: Any, info) -> Any:
+    """Every config model's field validator (``field_validator("*", mode="before")``): pydantic's lax mode reads
+    true/false as 1/0 in int and float fields, so `batch_size: true` trained with a batch of 1 and said nothing."""
+    if _holds_bool(value) and _takes_number(cls.model_fields[info.field_name].annotation):
+        raise PydanticCustomError("number_type", "Input should be a number, not a boolean")
+    return value
+
+
 def _to_jnp(name: str):
     import jax.numpy as jnp
 
@@ -81,6 +106,7 @@ def _to_jnp(name: str):
 class _Base(BaseModel):
     # frozen: configs are hashable (usable as jit static args) and cannot drift after validation.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+    _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
     def __hash__(self) -> int:
         # Dict/list fields defeat pydantic's field hash; models keep their config as static graph data,

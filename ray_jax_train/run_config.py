@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype
+from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype, refuse_bool_numbers
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.storage import absolute, is_uri, join
 
@@ -66,6 +66,7 @@ _UNTUNABLE_MODEL_KEYS = ("type", "init_from")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
 
 def _expand_user(value):
@@ -706,9 +707,16 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
         return list(local_corpus(kind=config.data.kind, max_docs=limit))
     column = config.training.get("text_column", "text")
     rows = load_text_dataset(config.data.paths()).take(limit)
-    texts = [row[column] for row in rows if isinstance(row.get(column), str)]
+    texts = [row[column] for row in rows if isinstance(row.get(column), str) and row[column]]
     if not texts:
-        raise ConfigError(f"data.source: no {column!r} text to train a tokenizer on; set tokenizer.path")
+        if not rows:
+            raise ConfigError("data.source has no rows, so there is nothing to train a tokenizer on")
+        columns = list(rows[0])
+        found = (f"has no column {column!r} (its columns are {columns})" if column not in columns else
+                 f"has no non-empty {column!r} text in its first {len(rows)} rows")
+        raise ConfigError(f"data.source {found}, so there is nothing to train a tokenizer on. Set "
+                          "training.text_column to the column that holds the text, or tokenizer.path to a tokenizer "
+                          "directory (then none is trained)")
     return texts
 
 
@@ -802,7 +810,10 @@ QUIET_ENV = {
     "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
     "RAY_DATA_LOG_LEVEL": "WARNING",
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
-    "RAY_BACKEND_LOG_LEVEL": "fatal",  # Ray core's C++ notices (e.g. "constructor arguments in the object store")
+    # Ray core's C++ ERROR notices that need no action (an actor "has constructor arguments in the object store",
+    # for Ray Data's and Train's own actors). The cost: Ray announces the variable in one "Set ray log level from
+    # environment variable RAY_BACKEND_LOG_LEVEL" line per process it starts, logged before the level applies.
+    "RAY_BACKEND_LOG_LEVEL": "fatal",
 }
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
@@ -812,9 +823,14 @@ def quiet_worker() -> None:
     import logging
     import warnings
 
+    import ray
+
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category)
-    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(_QUIET_LOGGERS)]
+    # Some Ray modules name their logger by file path (logging.getLogger(__file__)), outside "ray.*": Train's
+    # "Reporting training result N: TrainingReport(...)" line, once per report, comes from one of them.
+    ray_files = os.path.join(os.path.dirname(ray.__file__), "")
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(_QUIET_LOGGERS + (ray_files,))]
     for name in set(names) | set(_QUIET_LOGGERS):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:

@@ -72,6 +72,8 @@ BAD = [
     ({}, ["run.name.first=4"], ["--set run.name.first", "no sub-keys"]),
     ({}, ["training.batch_size"], ["expected KEY=VALUE"]),
     ({}, ["training.batch_size=abc"], ["training.batch_size: wrong type"]),
+    ({"training": {"batch_size": True}}, [], ["training.batch_size: wrong type", "not a boolean"]),  # was read as 1
+    ({}, ["scaling.num_workers=true"], ["scaling.num_workers: wrong type", "not a boolean"]),
     ({"tune": {"param_space": {"scaling.num_workers": {"choice": [1, 2]}}}}, [],
      ["scaling.num_workers", "not tunable"]),
     ({"tune": {"param_space": {"training.learning_rat": {"choice": [1e-3]}}}}, [],
@@ -154,6 +156,23 @@ def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=2", "--set",
                         "scaling.placement_strategy=STRICT_SPREAD"], capsys)
     assert code == 2 and "1 node(s)" in err, err
+
+
+def test_data_without_the_text_exits_2_naming_the_column_to_set(ray_cluster, capsys, tmp_path):
+    from ray_jax_train.text import local_corpus, train_tokenizer
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    base = ["fit", TINY, "--set", f"data.source={data}", "--set", f"run.storage_path={tmp_path}"]
+    # A tokenizer trained at run time: the message said only "set tokenizer.path", where the column was the mistake.
+    code, _, err = run(base + ["--set", "training.text_column=body"], capsys)
+    assert code == 2 and "has no column 'body' (its columns are ['text'])" in err, err
+    assert "Set training.text_column" in err and "or tokenizer.path" in err, err
+    # Every row empty (was an IndexError from a worker, exit 1).
+    data.write_text('{"text": ""}\n' * 3)
+    train_tokenizer(local_corpus(max_total_chars=4000), vocab_size=300, save_dir=str(tmp_path / "tok"))
+    code, _, err = run(base + ["--set", f"tokenizer.path={tmp_path / 'tok'}"], capsys)
+    assert code == 2 and "data.source: no row has non-empty text in column 'text'" in err, err
 
 
 def test_warmup_longer_than_the_counted_epochs_exits_2_before_workers(ray_cluster, capsys, tmp_path):
@@ -388,3 +407,30 @@ def test_tune_resume_without_a_stable_search_name_exits_2_before_ray_starts(tmp_
     data["run"]["storage_path"] = str(tmp_path)
     code, _, err = run(["tune", write(tmp_path, data), "--resume"], capsys)
     assert code == 2 and "set tune.name" in err, err
+
+
+def test_quiet_workers_silence_ray_loggers_named_by_file_path():
+    # Train logs "Reporting training result N: TrainingReport(...)" once per report through
+    # logging.getLogger(__file__): a path, which the match on "ray.*" names missed.
+    import logging
+    import warnings
+
+    from absl import logging as absl_logging
+    from ray.train.v2._internal.execution import context
+
+    from ray_jax_train.run_config import quiet_worker
+
+    def loggers():
+        return [v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)]
+
+    saved = {logger: logger.level for logger in loggers()}
+    verbosity = absl_logging.get_verbosity()
+    context.logger.setLevel(logging.INFO)  # as in a Ray worker
+    try:
+        with warnings.catch_warnings():
+            quiet_worker()
+        assert not context.logger.isEnabledFor(logging.INFO)
+    finally:
+        for logger in loggers():  # other tests read these loggers' INFO lines
+            logger.setLevel(saved.get(logger, logging.NOTSET))
+        absl_logging.set_verbosity(verbosity)

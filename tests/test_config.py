@@ -240,3 +240,28 @@ def test_cli_config_that_cannot_be_exported_fails_at_parse_time():
 
     with pytest.raises(ConfigError, match="exporting a Hugging Face model"):
         parse_config({"model": {"type": "qwen2", "attention_bias": False}})
+
+
+def test_booleans_are_refused_where_a_number_is_expected():
+    # pydantic's lax mode read `batch_size: true` as 1: the run trained with another batch size and said nothing.
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    for section, key in [("training", "batch_size"), ("training", "learning_rate"), ("scaling", "num_workers"),
+                         ("model", "hidden_size"), ("data", "eval_fraction"), ("tune", "num_samples")]:
+        with pytest.raises(ConfigError, match=rf"{section}\.{key}: wrong type: .*not a boolean"):
+            parse_config({section: {key: True}})
+    with pytest.raises(ConfigError, match=r"scaling\.mesh: wrong type: .*not a boolean"):
+        parse_config({"scaling": {"mesh": {"dp": True}}})
+    for build in (lambda: LlamaConfig(num_hidden_layers=False), lambda: MeshSpec(axis_dims=(1, True, 1)),
+                  lambda: TrainingArguments(warmup_steps=True)):
+        with pytest.raises(ValidationError, match="not a boolean"):
+            build()
+    # Numbers parse as before (an int in a float field, a whole float from a Tune quniform in an int field), and
+    # boolean fields take booleans.
+    config = parse_config({"training": {"batch_size": 4, "learning_rate": 1, "total_steps": 6.0, "progress_bar": False},
+                           "scaling": {"cpus_per_worker": 2, "use_gpu": False}})
+    args = config.training_arguments()
+    assert (args.batch_size, args.learning_rate, args.total_steps, args.progress_bar) == (4, 1.0, 6, False)
+    assert config.scaling.cpus_per_worker == 2.0
+    assert LlamaConfig(rope_theta=500000, tie_word_embeddings=True).rope_theta == 500000.0

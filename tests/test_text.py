@@ -310,6 +310,37 @@ def test_tokenize_and_pack_worker_without_ray(tokenizer):
         udf(pa.table({"body": ["x"]}))
 
 
+def test_a_batch_of_empty_rows_packs_to_no_rows(tokenizer):
+    """A Ray Data block of empty rows (blank lines at the head of a file) raised a bare IndexError from the
+    tokenizer, which was given an empty list."""
+    import pyarrow as pa
+
+    assert encode_texts(tokenizer, []) == []
+    for table in (pa.table({"text": ["", None]}),
+                  pa.table({"messages": pa.array([None, []], pa.list_(pa.struct([("role", pa.string()),
+                                                                                  ("content", pa.string())]))),
+                            "text": [None, ""]})):
+        out = TokenizeAndPack(tokenizer, 16)(table)
+        assert set(out) == set(PACKED_KEYS) and all(v.shape == (0, 16) for v in out.values())
+
+
+def test_error_messages_name_the_config_key_and_the_python_argument(tokenizer, tmp_path):
+    import pyarrow as pa
+
+    with pytest.raises(MissingColumnError, match=r"training\.text_column .*\(text_column=\.\.\. .* in Python\)"):
+        TokenizeAndPack(tokenizer, 16)(pa.table({"body": ["x"]}))
+    # A config has no format key: a directory mixing formats is fixed by listing files of one format.
+    (tmp_path / "a.jsonl").write_text('{"text": "alpha"}\n')
+    (tmp_path / "b.parquet").write_bytes(b"PAR1")
+    with pytest.raises(TextDataError, match=r"mixes file formats \(json, parquet\).*data\.source") as info:
+        load_text_dataset(tmp_path)
+    assert "format=" not in str(info.value)  # format= reads every file with one reader: no help here
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.dat").write_text('{"text": "alpha"}\n')
+    with pytest.raises(TextDataError, match=r"no file ends in \.jsonl, .*Rename the files, or in Python pass format="):
+        load_text_dataset(tmp_path / "other")
+
+
 # ---------------------------------------------------------------- Ray Data
 
 
@@ -375,6 +406,21 @@ def test_pipeline_errors(ray_cluster, tokenizer, tmp_path):
     assert "SequenceTooLongError" in str(info.value) and "max_position_embeddings=32" in str(info.value)
 
 
+def test_data_without_any_text_is_refused_on_the_driver(ray_cluster, tokenizer):
+    import ray
+
+    # Packed to no rows at all, it met the loop only as "too few rows for a batch" (or an IndexError, see above).
+    with pytest.raises(EmptyDatasetError, match=r"no row has non-empty text in column 'text' .*'id'.*"
+                                                r"training\.text_column in the config \(text_column="):
+        tokenize_and_pack(ray.data.from_items([{"text": "", "id": 1}, {"text": None, "id": 2}]), tokenizer, 16)
+    with pytest.raises(EmptyDatasetError, match=r"no row has a non-empty conversation in column 'messages'.*"
+                                                r"training\.messages_column"):
+        tokenize_and_pack(ray.data.from_items([{"messages": [], "text": ""}]), tokenizer, 16)
+    # Empty rows first, text later: whole batches of empty rows pack to nothing and the rest trains.
+    rows = build_lm_dataset([{"text": ""}] * 5 + [{"text": "hello world"}], tokenizer, 16, batch_size=2).take_all()
+    assert len(rows) == 1 and rows[0]["segment_ids"].max() == 1
+
+
 def test_load_text_dataset_sources(ray_cluster, tmp_path):
     import datasets
     import pyarrow as pa
@@ -391,7 +437,7 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     for source in sources:  # separate small executions: a union of 7 reads is much slower here
         assert sorted(r["text"] for r in load_text_dataset(source).take_all()) == ["alpha", "beta"], source
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
-    with pytest.raises(ValueError, match="cannot tell the file format"):
+    with pytest.raises(ValueError, match="mixes file formats"):
         load_text_dataset(tmp_path)  # a directory mixing three formats
     # A URI (file:// here; gs:// and s3:// take the same path): a directory is listed through its filesystem,
     # metadata files skipped, and Ray Data reads the URIs.

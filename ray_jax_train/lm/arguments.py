@@ -11,7 +11,7 @@ from typing import Dict, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ray_jax_train.config import canonical_dtype
+from ray_jax_train.config import canonical_dtype, refuse_bool_numbers
 
 # The optimizer's numbers live in float32 state (optax.inject_hyperparams).
 _FLOAT32_MAX, _FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
@@ -34,6 +34,7 @@ class TrainingArguments(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
     # Length
     total_steps: Optional[int] = Field(None, ge=1)

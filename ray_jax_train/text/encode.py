@@ -26,6 +26,8 @@ def encode_texts(tokenizer, texts: Sequence[str | None], *, add_bos: bool = True
     """Tokenize each text as one document: [bos] + tokens + eos (None counts as empty)."""
     eos = _eos_id(tokenizer)
     bos = [int(tokenizer.bos_token_id)] if add_bos and tokenizer.bos_token_id is not None else []
+    if not texts:  # fast tokenizers raise IndexError on an empty batch (a Ray Data block of empty rows)
+        return []
     # Special tokens are placed here, not by the tokenizer's post-processor, so every tokenizer
     # gives the same layout whatever its own defaults are. Their text inside a document ("<|eos|>" in a file
     # about tokenizers) is text: read as the real token, it ended the document mid-row with no boundary.

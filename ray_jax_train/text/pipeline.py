@@ -34,6 +34,15 @@ def _column_values(batch: Any, name: str) -> list:
     return list(values.tolist() if isinstance(values, np.ndarray) else values)
 
 
+def _filled(value: Any) -> bool:
+    # Empty text or conversation: TokenizeAndPack makes no document of it.
+    return value is not None and (not hasattr(value, "__len__") or len(value) > 0)
+
+
+def _has_document(row: Mapping[str, Any], *, text_column: str, messages_column: str) -> bool:
+    return _filled(row.get(messages_column)) or _filled(row.get(text_column))
+
+
 class TokenizeAndPack:
     """Ray Data callable class: raw rows in, packed ``seq_len`` rows out (see ``packing.py``).
 
@@ -88,8 +97,8 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
                       num_cpus: float = 1, check_not_empty: bool = True):
     """Return a Ray dataset of packed rows built from ``dataset``'s text or messages column.
 
-    Problems visible from the driver (missing column, empty dataset, messages without a usable
-    chat template) raise here, before any worker starts.
+    Problems visible from the driver (missing column, empty dataset or no row with text, messages
+    without a usable chat template) raise here, before any worker starts.
     A messages column wins over a text column when both exist; a row whose messages are empty then falls back
     to its text (a file mixing both kinds of rows). Text documents are
     ``[bos] + tokens + eos`` (``add_bos``); chat documents are whatever the chat template renders,
@@ -113,6 +122,9 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         columns = extract_column_names(dataset)
     resolved = resolve_column(columns, text_column, messages_column)
     kind = resolved[0] if resolved else None
+    if check_not_empty:
+        _check_some_document(dataset, first[0], columns, resolved, text_column=text_column,
+                             messages_column=messages_column)
     if kind == "messages":
         check_chat_template(tok)
     # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
@@ -129,6 +141,24 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         fn_constructor_kwargs=dict(text_column=text_column, messages_column=messages_column, kind=kind,
                                    add_bos=add_bos, max_position_embeddings=max_position_embeddings,
                                    truncation=truncation, pad_id=pad_id))
+
+
+def _check_some_document(dataset, first_row: Mapping[str, Any], columns: list[str], resolved: tuple[str, str],
+                         **names) -> None:
+    """Rows that are all empty pack to no rows at all, which the training loop would only meet as a dataset too
+    small for one batch. Scans past the first row only when that one is empty, so usual data costs nothing more."""
+    import functools
+
+    if _has_document(first_row, **names):
+        return
+    if dataset.filter(functools.partial(_has_document, **names)).take(1):
+        return
+    kind, column = resolved
+    what = "a non-empty conversation" if kind == "messages" else "non-empty text"
+    raise EmptyDatasetError(
+        f"no row has {what} in column {column!r} (the dataset's columns are {columns}), so there is nothing to "
+        f"train on. If it is in another column, name that column with training.{kind}_column in the config "
+        f"({kind}_column=... in Python); otherwise fill the {column!r} column or use other data.")
 
 
 def build_lm_dataset(source, tokenizer, seq_len: int, *, format: str | None = None, **kwargs):

@@ -5,7 +5,7 @@ import os
 from typing import Any, Sequence
 
 from .. import storage
-from .errors import EmptyDatasetError, MissingColumnError
+from .errors import EmptyDatasetError, MissingColumnError, TextDataError
 
 # File suffix -> reader; compressed variants (.jsonl.gz, ...) map like their inner suffix.
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -63,9 +63,14 @@ def _read_paths(paths: Sequence[str], format: str | None):
     files = [f for f, _ in found]
     if format is None:
         formats = {_format_of(f) for f in files} - {None}
-        if len(formats) != 1:
-            raise ValueError(f"cannot tell the file format of {list(paths)} (found {sorted(formats) or 'no known suffix'}); "
-                             f"pass format='json', 'parquet' or 'text'")
+        if len(formats) > 1:  # format= would not help: one reader would get every file
+            raise TextDataError(f"{list(paths)} mixes file formats ({', '.join(sorted(formats))}); a source must be "
+                                "of one format. List only the files of one format (data.source in a config takes a "
+                                "list of paths), or keep each format in a directory of its own")
+        if not formats:
+            raise TextDataError(f"cannot tell the file format of {list(paths)}: no file ends in "
+                                f"{', '.join(_FORMATS)} (optionally compressed, e.g. .jsonl.gz). Rename the files, "
+                                "or in Python pass format='json', 'parquet' or 'text'")
         format = formats.pop()
         found = [(f, size) for f, size in found if _format_of(f) == format]
         files = [f for f, _ in found]
@@ -233,5 +238,5 @@ def resolve_column(columns: Sequence[str] | None, text_column: str, messages_col
         return "text", text_column
     raise MissingColumnError(
         f"the dataset has neither a text column {text_column!r} nor a messages column "
-        f"{messages_column!r}; its columns are {list(columns)}. Pass text_column=... or "
-        f"messages_column=... to name the right one.")
+        f"{messages_column!r}; its columns are {list(columns)}. Name the right one with training.text_column or "
+        f"training.messages_column in the config (text_column=... or messages_column=... in Python).")
