@@ -133,6 +133,11 @@ def test_training_arguments_reject_bad_values():
         TrainingArguments(learning_rte=1e-3)
     with pytest.raises(ValueError, match="does not split over the 4 batch shards"):
         TrainingArguments(batch_size=6, mesh={"dp": -1}).check_devices(4)
+    # The fix offered takes both splits: into micro-batches, and each over the batch shards.
+    with pytest.raises(ValueError, match=r"micro-batch \(batch_size=3 / gradient_accumulation_steps=3\) is 1, .* "
+                                         r"multiple of 6 \(e.g. 6\), or fewer gradient_accumulation_steps"):
+        TrainingArguments(batch_size=3, gradient_accumulation_steps=3).check_devices(2)
+    TrainingArguments(batch_size=6, gradient_accumulation_steps=3).check_devices(2)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         TrainingArguments(batch_size=64).steps_for_rows(10)
     args = TrainingArguments(num_epochs=3, batch_size=8, dtype="bf16")

@@ -145,7 +145,7 @@ class TrainingArguments(BaseModel):
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by gradient_accumulation_steps={k}: the global "
                 f"batch is split into {k} equal micro-batches. Use a batch_size that is a multiple of {k} "
-                f"(e.g. {max(k, self.batch_size // k * k)})."
+                f"(e.g. {max(k, self.batch_size // k * k)}; with several batch shards, of {k} times their number)."
             )
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError(
@@ -193,13 +193,17 @@ class TrainingArguments(BaseModel):
             raise ValueError(f"max_sequence_length={self.max_sequence_length} does not split over mesh axis "
                              f"'sp'={sp}; use a multiple of {sp}.")
         shards = math.prod(size for name, size in axes.items() if name in ("dp", "fsdp", "data"))
-        for name, size in (("micro-batch (batch_size / gradient_accumulation_steps)", self.micro_batch_size),
-                           ("eval_batch_size", self.eval_batch_size)):
-            if size is not None and size % shards:
-                raise ValueError(
-                    f"The {name} is {size}, which does not split over the {shards} batch shards of mesh {axes}. "
-                    f"Use a multiple of {shards}."
-                )
+        k = self.gradient_accumulation_steps
+        if self.micro_batch_size % shards:
+            step = shards * k  # a batch_size both splits take: into k micro-batches, each over the shards
+            fix = f"Use a batch_size that is a multiple of {step} (e.g. {max(step, self.batch_size // step * step)})"
+            raise ValueError(
+                f"The micro-batch (batch_size={self.batch_size} / gradient_accumulation_steps={k}) is "
+                f"{self.micro_batch_size}, which does not split over the {shards} batch shards of mesh {axes}. "
+                f"{fix}{', or fewer gradient_accumulation_steps' if k > 1 else ''}.")
+        if self.eval_batch_size is not None and self.eval_batch_size % shards:
+            raise ValueError(f"The eval_batch_size is {self.eval_batch_size}, which does not split over the {shards} "
+                             f"batch shards of mesh {axes}. Use a multiple of {shards}.")
 
     def check_model_on_mesh(self, model_config, num_devices: int) -> None:
         """On the driver, the worker's check of the model against the mesh (tp and kv heads, every parameter
