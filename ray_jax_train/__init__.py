@@ -30,6 +30,7 @@ _LAZY = {
     "RayDistributedTrainer": "ray_jax_train.lm",
     "TrainingArguments": "ray_jax_train.lm",
     "NonFiniteLossError": "ray_jax_train.lm",
+    "NoLossTokensError": "ray_jax_train.lm",
     "export_checkpoint": "ray_jax_train.lm",
     # checkpoints
     "JaxCheckpointer": "ray_jax_train.checkpoint",

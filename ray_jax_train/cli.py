@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "checkpoint); a path or URI")
     export.add_argument("out_dir", help="where to write config.json, *.safetensors and the tokenizer")
     export.add_argument("--model-config", default=None,
-                        help="a directory with the model's HF config.json (default: the run's model/; needed for "
-                             "runs from before it was saved)")
+                        help="a directory with the model's HF config.json (default: the one saved in the "
+                             "checkpoint, else the run's model/; needed for checkpoints from before either was)")
     export.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's model/)")
     export.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: as trained)")
     config = sub.add_parser("config", parents=[common], help="show or validate a config")

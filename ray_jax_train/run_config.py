@@ -711,7 +711,7 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
     if not texts:
         if not rows:
             raise ConfigError("data.source has no rows, so there is nothing to train a tokenizer on")
-        columns = list(rows[0])
+        columns = sorted({name for row in rows for name in row})
         found = (f"has no column {column!r} (its columns are {columns})" if column not in columns else
                  f"has no non-empty {column!r} text in its first {len(rows)} rows")
         raise ConfigError(f"data.source {found}, so there is nothing to train a tokenizer on. Set "

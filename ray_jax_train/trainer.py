@@ -223,7 +223,7 @@ def _warn_if_ray_start_cluster_runs(temp_dir: Optional[str] = None) -> Optional[
     return address
 
 
-def _worker_cpus(scaling_config) -> float:
+def worker_cpus(scaling_config) -> float:
     # Ray's own count: 1 by default, 0 for use_gpu or use_tpu without resources_per_worker (ray/air/config.py).
     return float(scaling_config.num_cpus_per_worker)
 
@@ -247,7 +247,7 @@ def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     import ray
 
     num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
-    needed = num_workers * _worker_cpus(scaling_config)
+    needed = num_workers * worker_cpus(scaling_config)
     if not ray.is_initialized():
         if not init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 2)):
             return

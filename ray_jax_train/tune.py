@@ -243,11 +243,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     elif resume or resume_errored:
         # Not an error: a job that may be retried runs the same command, --resume included, every time.
         logger.warning("No earlier search in %s to resume: starting it.", experiment_dir)
-    elif tune.Tuner.can_restore(experiment_dir):
-        aside = set_aside_search_state(experiment_dir)
-        logger.warning("%s holds an earlier search under this name; this one starts again with new trials, and the "
-                       "earlier one's state is kept in %s (resume=True / `tune --resume` continues the earlier one "
-                       "instead).", experiment_dir, aside)
+    earlier_search = not resuming and tune.Tuner.can_restore(experiment_dir)
     tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or join(experiment_dir, "tokenizer")
     if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
@@ -284,6 +280,11 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         tuner = tune.Tuner.restore(experiment_dir, trainable=trainable, resume_unfinished=True,
                                    resume_errored=resume_errored)
     else:
+        if earlier_search:  # set aside only now, when nothing before the search's start can fail any more
+            aside = set_aside_search_state(experiment_dir)
+            logger.warning("%s holds an earlier search under this name; this one starts again with new trials. The "
+                           "earlier one's state is now in %s: to continue that search instead, move its files back "
+                           "and run with resume=True (`tune --resume`).", experiment_dir, aside)
         with local_dir_for(experiment_dir) as local:  # a URI too: written locally, copied up
             with open(os.path.join(local, SEARCH_CONFIG), "w") as f:
                 json.dump(_comparable(base), f, indent=2)
@@ -349,13 +350,14 @@ def set_aside_search_state(experiment_dir: str) -> str:
     """
     import fnmatch
     import time
+    import uuid
 
     import pyarrow.fs as pafs
 
     from ray_jax_train.storage import filesystem
 
     fs, path = filesystem(experiment_dir)
-    aside = f"earlier_search_{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = f"earlier_search_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
     fs.create_dir(f"{path}/{aside}", recursive=True)
     for info in fs.get_file_info(pafs.FileSelector(path)):
         if info.type == pafs.FileType.File and any(fnmatch.fnmatch(info.base_name, p) for p in _SEARCH_STATE):

@@ -335,11 +335,11 @@ def test_local_mode_runs_the_loop_here_without_starting_ray(monkeypatch, caplog)
 
 
 def test_cpu_headroom_check_uses_rays_cpu_count(ray_cluster, caplog):
-    from ray_jax_train.trainer import ensure_ray_leaves_cpu_for_data, _worker_cpus
+    from ray_jax_train.trainer import ensure_ray_leaves_cpu_for_data, worker_cpus
 
-    assert _worker_cpus(ScalingConfig(num_workers=2)) == 1
-    assert _worker_cpus(ScalingConfig(num_workers=2, use_gpu=True)) == 0  # Ray reserves no CPU for GPU workers
-    assert _worker_cpus(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2})) == 2
+    assert worker_cpus(ScalingConfig(num_workers=2)) == 1
+    assert worker_cpus(ScalingConfig(num_workers=2, use_gpu=True)) == 0  # Ray reserves no CPU for GPU workers
+    assert worker_cpus(ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2})) == 2
     # The session cluster has 4 CPUs. GPU workers take none of them.
     ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=8, use_gpu=True), True)
     # Workers that do not fit yet wait for Ray (an autoscaler may add nodes): a warning, not an error.

@@ -226,7 +226,8 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):
         with pytest.raises(EmptyDatasetError):
             RayDistributedTrainer(str(hf_dir)).train(1, args, [])
-    assert f"Training from randomly initialised weights: {hf_dir} gives the model config" in caplog.text
+    assert f"trains from randomly initialised weights (a resumed one from its checkpoint): {hf_dir} gives the model " \
+           "config" in caplog.text
     assert f"checkpoint_path='{hf_dir}'" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):

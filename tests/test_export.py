@@ -104,6 +104,10 @@ def test_export_says_what_it_needs(run, tmp_path, capsys):
     rjt.save_pretrained(rjt.create_model(load_hf_config(final).replace(hidden_size=64)), other)
     assert main(["export", str(old), str(tmp_path / "out"), "--model-config", str(other)]) == 2
     assert "holds a different train state" in capsys.readouterr().err
+    # A damaged checkpoint (its metadata file gone) is named as such by the restore, not a bare file error.
+    (old / "meta" / "metadata").unlink()
+    with pytest.raises(Exception, match="meta/metadata is missing"):
+        export_checkpoint(old, tmp_path / "out", model_config=final)
 
 
 def test_each_checkpoint_exports_with_the_config_it_was_trained_with(run, tmp_path):

@@ -613,11 +613,11 @@ def test_step_profiler_window_resume_and_a_trace_already_running(tmp_path, caplo
         jax.profiler.stop_trace()  # still running: ours did not stop it (this would raise otherwise)
 
 
-def test_data_with_no_token_to_learn_fails_at_the_first_log_step(ray_cluster, tmp_path):
+def test_data_with_no_token_to_learn_stops_the_run_and_its_retries(ray_cluster, tmp_path):
     """Chat data with no assistant turn (or rows whose loss_mask is all 0) trained "successfully" before: loss and
     grad norm 0 at every step, weights unchanged, exit 0."""
     import ray.data
-    from ray.train import TrainingFailedError
+    from ray.train import FailureConfig, TrainingFailedError
 
     rows = packed_rows(16)
     rows["loss_mask"] = np.zeros_like(rows["loss_mask"])
@@ -628,8 +628,13 @@ def test_data_with_no_token_to_learn_fails_at_the_first_log_step(ray_cluster, tm
         train_loop_per_worker,
         train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": 6},
         scaling_config=ScalingConfig(num_workers=1),
-        run_config=RunConfig(name="nothing", storage_path=str(tmp_path)), datasets={"train": dataset})
-    with pytest.raises(TrainingFailedError, match=r"No token of the 2 steps trained so far counted for the loss"):
+        run_config=RunConfig(name="nothing", storage_path=str(tmp_path), failure_config=FailureConfig(max_failures=1)),
+        datasets={"train": dataset})
+    # Checked once 20 steps (or all of a shorter run) have trained; the retry stops at once instead of repeating it.
+    with pytest.raises(TrainingFailedError, match=r"An earlier attempt of this run stopped at step 6 with nothing to "
+                                                  r"learn .* No token of the 6 steps trained so far counted for the "
+                                                  r"loss") as failed:
         trainer.fit()
-    metrics = tmp_path / "nothing" / "metrics.jsonl"
-    assert not metrics.exists() or not metrics.read_text().strip()  # stopped before the first record
+    assert "NoLossTokensError" in str(failed.value)
+    records = [json.loads(line) for line in (tmp_path / "nothing" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4] and {r["loss_tokens"] for r in records} == {0.0}

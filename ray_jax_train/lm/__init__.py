@@ -6,12 +6,13 @@
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.lm.distributed_trainer import RayDistributedTrainer
 from ray_jax_train.lm.export import export_checkpoint
-from ray_jax_train.lm.loop import NonFiniteLossError, train_loop_per_worker
+from ray_jax_train.lm.loop import NoLossTokensError, NonFiniteLossError, train_loop_per_worker
 from ray_jax_train.lm.metrics import PEAK_FLOPS, peak_flops_per_device, read_metrics
 from ray_jax_train.lm.state import shard_state
 from ray_jax_train.lm.step import loss_sums, make_optimizer, make_train_step
 
 __all__ = [
+    "NoLossTokensError",
     "NonFiniteLossError",
     "PEAK_FLOPS",
     "RayDistributedTrainer",

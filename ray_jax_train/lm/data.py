@@ -208,7 +208,11 @@ def _check_eval_rows(eval_ds, args: TrainingArguments, name: str) -> None:
 
 def _too_few_cpus(args: TrainingArguments) -> bool:
     """Whether streaming the text pipeline during training could wait forever: it needs a CPU for the tokenizer
-    actor, which holds its CPU for the whole run, and one for a read task, beside the workers' (1 CPU each)."""
+    actor, which holds its CPU for the whole run, and one for a read task, beside the workers' own."""
     import ray
+    from ray.train import ScalingConfig
 
-    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < args.num_workers + 2
+    from ray_jax_train.trainer import worker_cpus
+
+    workers = args.num_workers * worker_cpus(ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu))
+    return ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < workers + 2

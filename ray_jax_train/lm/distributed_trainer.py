@@ -296,14 +296,19 @@ class RayDistributedTrainer:
         if args.num_devices() is not None:
             args.check_devices(args.num_devices())
             args.check_model_on_mesh(config, args.num_devices())
+        scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)
+        # Ray started as fit() would start it, before the first call that starts it with one CPU per core (a
+        # ray.put here, Ray Data below): on a small machine too few for the workers and the data pipeline at once.
+        # Whether the cluster has CPUs to spare is fit()'s check, once the datasets are built (or materialized).
+        ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets=False)
         init = state_lib.init_spec(state=state, model=model, checkpoint_path=self.checkpoint_path)
         pretrained = self.pretrained_model_name_or_path
         if init["source"] == "scratch" and pretrained and os.path.isdir(pretrained) \
                 and state_lib.is_hf_model_dir(pretrained):
             # EasyDeL's meaning (the directory gives config and tokenizer), which a user fine-tuning rarely expects.
-            logger.warning("Training from randomly initialised weights: %s gives the model config and tokenizer "
-                           "only. To fine-tune its weights, pass checkpoint_path=%r too (CLI: model.init_from).",
-                           pretrained, pretrained)
+            logger.warning("A new run trains from randomly initialised weights (a resumed one from its checkpoint): "
+                           "%s gives the model config and tokenizer only. To fine-tune its weights, pass "
+                           "checkpoint_path=%r too (CLI: model.init_from).", pretrained, pretrained)
         if init["source"] == "hf":
             state_lib.check_hf_dir_fits(init["path"], config, "Give the trainer the sizes the directory was saved "
                                         "with (config_scaling_variables, config_variables, scaling_index), or leave "
@@ -314,10 +319,6 @@ class RayDistributedTrainer:
             given = ray.get(init["ref"])["params"]
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
 
-        scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)
-        # Before the first Ray Data call, which would start Ray itself with one CPU per core: too few on a small
-        # machine for the workers, the tokenizer actor and a read task at once (the stream then waits forever).
-        ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets=True)
         tokenizer = self._maybe_tokenizer()
         datasets, columns, total_steps = prepare_lm_datasets(
             dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,

@@ -30,9 +30,10 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
 
     `source`: a checkpoint directory (`<run>/checkpoint_...`) or a run directory (its latest registered
     checkpoint), a local path or a URI. Only the params are read, into this process's host memory (no Ray,
-    no optimizer). `model_config` (a LlamaConfig, or a directory or file with an HF config.json) and
-    `tokenizer` (a directory or tokenizer object) replace what the run saved in `<run>/model/`; a run from
-    before that was saved needs `model_config`. `dtype` casts the saved weights (default: the params' dtype).
+    no optimizer). `model_config` (a LlamaConfig, or a directory or file with an HF config.json) replaces the
+    config the checkpoint was saved with (else the run's `<run>/model/config.json`), and `tokenizer` (a directory
+    or tokenizer object) the run's `<run>/model/` tokenizer; a checkpoint from before configs were saved with it,
+    of a run without `model/`, needs `model_config`. `dtype` casts the saved weights (default: the params' dtype).
     """
     import pyarrow.fs as pafs
 
@@ -143,7 +144,11 @@ def _checkpoint_hf_config(checkpoint: str):
     from ray_jax_train.checkpoint.core import META_FILE
 
     fs, path = storage.filesystem(storage.join(checkpoint, META_FILE))
-    return _read_json(fs, path).get(HF_CONFIG_KEY)
+    try:
+        meta = _read_json(fs, path)
+    except (OSError, ValueError):  # an unfinished or foreign checkpoint: the restore says which, clearly
+        return None
+    return meta.get(HF_CONFIG_KEY) if isinstance(meta, dict) else None
 
 
 def _config_from(model_config: Any):

@@ -143,6 +143,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         outputs.save_model_files(model_config, config.get("tokenizer"))
     run_id = _train_run_id()
     went_nan = outputs.nonfinite_record(run_id)
+    if went_nan is not None and went_nan.get("error") == NoLossTokensError.__name__:
+        raise NoLossTokensError(
+            f"An earlier attempt of this run stopped at step {went_nan['step']} with nothing to learn from the data; "
+            "a retry would only repeat it, so this attempt stops instead of spending FailureConfig's retries. The "
+            f"earlier error: {went_nan.get('message', '')}")
     if went_nan is not None:  # every process reads the same file: all stop here together
         raise NonFiniteLossError(
             f"An earlier attempt of this run went NaN at step {went_nan['step']}; resuming at step {step} with the "
@@ -191,15 +196,15 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         _stop_if_state_not_finite(state, step, checkpointer, remember)
         return dict(last)
 
-    def remember(bad_step: int, message: str) -> None:
+    def remember(bad_step: int, message: str, error: type = NonFiniteLossError) -> None:
         from ray_jax_train.checkpoint import _sync
 
         if rank0:
-            outputs.remember_nonfinite(run_id, bad_step, message)
+            outputs.remember_nonfinite(run_id, bad_step, message, error.__name__)
         # The others raise only once it is written: the first error seen tears the group down, rank 0 included.
         _sync.allgather("nonfinite", "1", key=f"nonfinite/{bad_step}")
 
-    position = resume_position(data_pos, args.batch_size)
+    position = resume_position(data_pos, args.batch_size, warn=rank0)
     loss_tokens_seen, startup_step = 0.0, step
     compiled = False
     startup: Dict[str, float] = {}  # goes into the first logged record only
@@ -231,8 +236,13 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         _stop_if_not_finite(stacked, step, checkpointer, remember)
                         record.update(_summarise(stacked), learning_rate=float(schedule(step - 1)))
                         loss_tokens_seen += record["loss_tokens"]
-                        if not loss_tokens_seen:  # the same global sum on every process: all raise together
-                            raise ValueError(_NO_LOSS_TOKENS.format(steps=step - startup_step))
+                        # The same global sum on every process: all raise together. Not at the first log step:
+                        # data sorted with its plain-text rows first may start with a few batches of nothing.
+                        if not loss_tokens_seen and (step - startup_step >= _NO_LOSS_TOKENS_STEPS
+                                                     or step >= total_steps):
+                            message = _NO_LOSS_TOKENS.format(steps=step - startup_step)
+                            remember(step, message, NoLossTokensError)
+                            raise NoLossTokensError(message)
                         record.update(throughput.read())
                         pending = []
                     if due_eval:
@@ -269,13 +279,14 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
 
 
+_NO_LOSS_TOKENS_STEPS = 20  # steps with no loss token before the data is called empty of anything to learn
 _NO_LOSS_TOKENS = (
     "No token of the {steps} steps trained so far counted for the loss (loss_tokens 0): the model learns nothing "
     "from this data. Chat data needs assistant turns (only their tokens are trained on); pre-tokenised rows need "
     "loss_mask 1 on the tokens to learn. Check the data's messages column, or train on text instead.")
 
 
-def resume_position(data_state: Dict[str, Any], batch_size: int) -> Dict[str, int]:
+def resume_position(data_state: Dict[str, Any], batch_size: int, warn: bool = True) -> Dict[str, int]:
     """`{"epoch", "batch"}` to go on from, in batches of `batch_size`, for a saved data position.
 
     The position counts batches of the size the checkpoint was trained with (recorded since this check): a resume
@@ -288,9 +299,10 @@ def resume_position(data_state: Dict[str, Any], batch_size: int) -> Dict[str, in
         return {"epoch": epoch, "batch": batch}
     rows = batch * saved
     again = rows % batch_size
-    logger.warning("Resuming with batch_size=%d, where the checkpoint trained with %d: skipping the %d rows of epoch "
-                   "%d it had trained on%s.", batch_size, saved, rows, epoch,
-                   f" ({again} of them are trained on again, to start on a whole batch)" if again else "")
+    if warn:
+        logger.warning("Resuming with batch_size=%d, where the checkpoint trained with %d: skipping the %d rows of "
+                       "epoch %d it had trained on%s.", batch_size, saved, rows, epoch,
+                       f" ({again} of them are trained on again, to start on a whole batch)" if again else "")
     return {"epoch": epoch, "batch": rows // batch_size}
 
 
@@ -388,6 +400,10 @@ def _with_mesh(mesh, fn):
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm went NaN or infinite: every later step and checkpoint would hold NaN weights."""
+
+
+class NoLossTokensError(ValueError):
+    """No token of the data counts for the loss (chats without assistant turns, all-zero loss masks)."""
 
 
 def _fetch(pending: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
@@ -516,12 +532,14 @@ class RunOutputs:
             return None
         return record if isinstance(record, dict) and record.get("run_id") == run_id else None
 
-    def remember_nonfinite(self, run_id: Optional[str], step: int, message: str) -> None:
+    def remember_nonfinite(self, run_id: Optional[str], step: int, message: str,
+                           error: str = "NonFiniteLossError") -> None:
+        """Record an error that a retry of this `fit()` would only repeat (NaN, or data with nothing to learn)."""
         if run_id is None:
             return
         try:
             with self.filesystem.open_output_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
-                f.write(json.dumps({"run_id": run_id, "step": step, "message": message}).encode())
+                f.write(json.dumps({"run_id": run_id, "step": step, "message": message, "error": error}).encode())
         except OSError as exc:  # the NaN error itself must still be raised
             logger.warning("Could not record the NaN step for a retry to see: %s", exc)
 
@@ -541,9 +559,10 @@ class RunOutputs:
         if problem is not None:
             logger.info("This run's checkpoints cannot be exported as a Hugging Face model: %s", problem)
             return
-        # Written aside, then each file moved in whole: a crash mid-write leaves the earlier files, not torn ones.
+        # Written aside (beside model/, so a crash leaves nothing an export copies), then each file moved in whole:
+        # a crash mid-write leaves the earlier files, not torn ones.
         with local_dir_for(f"{self.run_path}/{MODEL_FILES}", self.filesystem) as local:
-            staging = tempfile.mkdtemp(prefix=".writing_", dir=local)
+            staging = tempfile.mkdtemp(prefix=f".{MODEL_FILES}_writing_", dir=os.path.dirname(local))
             try:
                 if tokenizer_ref is not None:
                     ray.get(tokenizer_ref).save_pretrained(staging)
