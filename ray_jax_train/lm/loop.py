@@ -33,7 +33,7 @@ from ray_jax_train.lm.export import HF_CONFIG_KEY, MODEL_FILES
 
 logger = logging.getLogger(__name__)
 
-NONFINITE_FILE = "nonfinite.json"  # in the run directory: the step an attempt of this fit() went NaN at
+NONFINITE_FILE = "nonfinite.json"  # in the run directory: where and why an attempt of this fit() stopped for good
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
 STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device")
@@ -540,8 +540,8 @@ class RunOutputs:
         try:
             with self.filesystem.open_output_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
                 f.write(json.dumps({"run_id": run_id, "step": step, "message": message, "error": error}).encode())
-        except OSError as exc:  # the NaN error itself must still be raised
-            logger.warning("Could not record the NaN step for a retry to see: %s", exc)
+        except OSError as exc:  # the error itself must still be raised
+            logger.warning("Could not record the error for a retry to see: %s", exc)
 
     def metrics_file(self):
         from ray_jax_train.storage import AppendOnlyFile
