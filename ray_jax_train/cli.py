@@ -131,11 +131,9 @@ def _connect(config, address: Optional[str], verbose: bool):
     else:
         ray.init(address=address, **kwargs)
     if not verbose:
-        import ray.data
+        from ray_jax_train.run_config import quiet_data_context
 
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False
-        context.print_on_execution_start = False
+        quiet_data_context()
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray
@@ -163,6 +161,16 @@ def _resume_hint(args, name: str) -> str:
     return "ray-jax-train fit " + shlex.quote(args.config) + "".join(f" --set {shlex.quote(s)}" for s in sets)
 
 
+def _warn_if_in_ray_package_cache(path: str) -> None:
+    from ray_jax_train.storage import in_ray_package_cache
+
+    if in_ray_package_cache(path):
+        logging.getLogger("ray_jax_train").warning(
+            "%s is inside this job's copy of its --working-dir, which Ray deletes with its cache; a resubmitted job "
+            "gets another copy and would start over instead of resuming. Set run.storage_path to an absolute path "
+            "(or a URI) that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
+
+
 def cmd_fit(args) -> int:
     from ray_jax_train.run_config import ConfigError, build_trainer, check_cluster_fits, load_config
 
@@ -184,6 +192,7 @@ def cmd_fit(args) -> int:
         raise ConfigError(str(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
+    _warn_if_in_ray_package_cache(info["run_dir"])
     try:
         result = trainer.fit()
     except Exception as exc:  # the run failed after it started: exit 1, not 2
@@ -249,6 +258,7 @@ def cmd_tune(args) -> int:
     if resume:
         tune.can_resume(config)  # a changed config is refused before Ray starts
     _connect(config, args.address, args.verbose)
+    _warn_if_in_ray_package_cache(config.with_absolute_paths().run.storage_path)
     started = time.time()
     try:
         outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose, resume=resume,

@@ -841,6 +841,16 @@ def quiet_worker() -> None:
         pass
 
 
+def quiet_data_context() -> None:
+    """Ray Data's progress bars and per-execution banners off in this process (the driver, or a Tune trial, which
+    builds its datasets in its own process with Ray Data's defaults)."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
 def quiet_train_loop(config: Dict[str, Any]) -> None:
     """The built-in LM loop, with library INFO logging silenced first in this worker."""
     from ray_jax_train.lm.loop import train_loop_per_worker

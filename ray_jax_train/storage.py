@@ -57,6 +57,14 @@ def qualified(fs_path: str, storage: str) -> str:
     return f"{scheme}://{fs_path.lstrip('/')}" + (f"?{query}" if query else "")
 
 
+def in_ray_package_cache(path: str) -> bool:
+    """Whether a local path lies in a Ray job's unpacked working directory (where a relative run.storage_path
+    lands under `ray job submit --working-dir`): Ray deletes it with its cache, and a changed working directory
+    unpacks elsewhere, so a resubmitted job would start over instead of resuming."""
+    parts = absolute(path).split(os.sep) if not is_uri(path) else []
+    return "runtime_resources" in parts and any(p.startswith("working_dir_files") for p in parts)
+
+
 def exists(path: str) -> bool:
     """Whether a file or directory is there, local path or URI. Storage that cannot be reached raises: taken
     for absence, a resumed run would train a new tokenizer over the one its checkpoint needs."""

@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
-                                      hf_tokenizer_dir, parse_config, read_file, trial_lengths)
+                                      hf_tokenizer_dir, parse_config, quiet_data_context, quiet_worker, read_file,
+                                      trial_lengths)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -266,6 +267,9 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
         if shared_cache:
             os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
+        if quiet:
+            quiet_worker()
+            quiet_data_context()
         context = tune.get_context()
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",

@@ -65,7 +65,7 @@ def test_metrics_on_an_object_store_keep_an_earlier_attempts_lines(tmp_path):
     # Readers take URIs too; the later record of a repeated step wins.
     uri = f"file://{tmp_path / 'bucket' / 'run'}"
     assert [r["loss"] for r in read_records(uri)] == [3.0, 2.4]
-    assert len(read_metrics(uri)) == 3 and read_metrics(f"file://{tmp_path}/nothing") == []
+    assert read_metrics(uri) == read_records(uri) and read_metrics(f"file://{tmp_path}/nothing") == []
 
 
 def test_final_model_and_tokenizer_reach_an_object_store(ray_cluster, tmp_path):
@@ -116,3 +116,11 @@ def test_uri_tokenizer_path_is_accepted_by_the_config_check(tmp_path):
     parse_config({"tokenizer": {"path": f"file://{tokenizer_dir}"}})  # a URI is not a local directory to test
     with pytest.raises(ConfigError, match="tokenizer.path"):
         parse_config({"tokenizer": {"path": str(tmp_path / "missing")}})
+
+
+def test_a_run_inside_a_jobs_working_dir_copy_is_recognised():
+    # Where a relative run.storage_path lands under `ray job submit --working-dir .`: Ray's package cache.
+    cache = "/tmp/ray/session_2026/runtime_resources/working_dir_files/_ray_pkg_0a1b/runs/tiny-llama"
+    assert storage.in_ray_package_cache(cache)
+    assert not storage.in_ray_package_cache("/mnt/shared/runs/tiny-llama")
+    assert not storage.in_ray_package_cache("s3://bucket/runtime_resources/working_dir_files/runs")

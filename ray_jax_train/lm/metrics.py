@@ -6,7 +6,6 @@ sheets for known accelerators; on CPU there is no data sheet, so a short matmul 
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Callable, Dict, Optional, Union
@@ -147,13 +146,14 @@ class Progress:
 
 
 def read_metrics(run_dir) -> list:
-    """The per-log-step records the loop wrote to `<run dir>/metrics.jsonl` (empty list if none)."""
+    """The per-log-step records the loop wrote to `<run dir>/metrics.jsonl` (empty list if none), one per step:
+    after a resume, the later attempt's record of a step replaces the earlier one's, and a line cut short by a
+    killed run is skipped (as `plot` reads them)."""
     import os
 
-    from ray_jax_train.storage import join, read_text
+    from ray_jax_train.plot import read_records
 
     try:
-        text = read_text(join(os.fspath(run_dir), "metrics.jsonl"))  # a local path or a storage URI
+        return read_records(os.fspath(run_dir))  # a local path or a storage URI
     except FileNotFoundError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
