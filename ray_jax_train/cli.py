@@ -196,12 +196,12 @@ def cmd_fit(args) -> int:
     try:
         result = trainer.fit()
     except Exception as exc:  # the run failed after it started: exit 1, not 2
-        return _training_failed(exc, args.verbose, info["run_dir"])
+        return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]))
     _summary(args, result, info, started)
     return EXIT_OK
 
 
-def _training_failed(exc: BaseException, verbose: bool, run_dir: str) -> int:
+def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:
     if verbose:
         import traceback
 
@@ -213,6 +213,8 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str) -> int:
     print(f"[ray-jax-train] training failed: {type(cause).__name__}: {text[-1] if text else ''}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
+    if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
+        print(f"[ray-jax-train] resume:  {resume}", file=sys.stderr)
     return EXIT_FAILED
 
 

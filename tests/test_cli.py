@@ -209,6 +209,7 @@ def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster,
     code, _, err = run(["fit", TINY], capsys)
     assert code == 1
     assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
+    assert f"resume:  ray-jax-train fit {TINY} --set run.name=x" in err  # e.g. once a lost node is back
 
 
 def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch):
