@@ -288,10 +288,12 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert max(float(np.max(np.abs(ref[k] - final[k]))) for k in final) < 1e-5
     assert max(float(np.max(np.abs(ref[k] - initial[k]))) for k in final) > 1e-3  # it did train
 
-    # Rank 0 logged steps 1-5 before the kill, then the resumed run logged from its checkpoint on.
-    records = read_metrics(result.path)
+    # Rank 0 logged steps 1-5 before the kill, then the resumed run logged from its checkpoint on; read_metrics
+    # keeps the last record of each step, the one that counts.
+    records = [json.loads(line) for line in open(os.path.join(result.path, "metrics.jsonl")) if line.strip()]
     assert [r["step"] for r in records] == list(range(1, 6)) + list(range(resumed_at + 1, steps + 1))
-    latest = {r["step"]: r for r in records}  # the last record of each step is the one that counts
+    latest = {r["step"]: r for r in records}
+    assert read_metrics(result.path) == [latest[i] for i in range(1, steps + 1)]
     np.testing.assert_allclose([latest[i]["loss"] for i in range(1, steps + 1)], losses, rtol=1e-5)
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in records[1:5])
     assert latest[steps]["learning_rate"] < latest[2]["learning_rate"]  # cosine decay after warmup
