@@ -55,6 +55,8 @@ def checkpoint_loop(config):
         # A failed query to Ray's controller, on the restart that must fall back: this process knows no older
         # checkpoints to fall back to, nor which directories Ray tracks (so it must not clean up).
         ckpt._reported_locations = lambda: None
+    if config.get("kill_after_commit") is not None and jax.process_index() == 0:
+        _kill_between_commit_and_registration(ckpt, config["kill_after_commit"], out)
     restored = ckpt.restore(abstract_state(state), config.get("restore_from"))
     start = 0
     if restored is not None:
@@ -103,6 +105,27 @@ def checkpoint_loop(config):
     full = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), state)
     if jax.process_index() == 0:
         np.savez(os.path.join(out, "final.npz"), *jax.tree.leaves(full))
+
+
+def _kill_between_commit_and_registration(ckpt, step, out):
+    """Rank 0 dies once, right after the save of `step` is complete on storage and before Ray hears of it: what
+    `ray job stop` does to a run whose save is finishing."""
+    marker = os.path.join(out, "killed_after_commit")
+    await_commit = ckpt._await_commit
+
+    def await_then_die(pending):
+        upload = await_commit(pending)
+
+        def wrapped(checkpoint, dir_name):
+            result = upload(checkpoint, dir_name)
+            if pending.step == step and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), 9)
+            return result
+
+        return wrapped
+
+    ckpt._await_commit = await_then_die
 
 
 def _corrupt_latest(ckpt):
@@ -203,7 +226,7 @@ def test_three_kills_and_a_corrupt_checkpoint_resume_bitwise(uninterrupted, tmp_
     """Three SIGKILLs; before the third, the newest checkpoint is garbled. Final params equal the clean run's.
 
     * step 8, rank 1: lands while the step-5 save may still be in flight, so the restart resumes from 5, or
-      from 0 if that save had not been registered; never from a partial directory.
+      from 0 if that save had not finished; never from a partial directory.
     * step 17, rank 0: after the step-15 save is registered; resumes from 15.
     * step 23, rank 1: rank 0 first overwrites the array files of the registered step-20 checkpoint; the
       restart rejects it (checksum/read failure, agreed by both workers) and falls back to 15. On that restart
@@ -223,6 +246,23 @@ def test_three_kills_and_a_corrupt_checkpoint_resume_bitwise(uninterrupted, tmp_
     _assert_bitwise_equal(clean_out / "final.npz", out / "final.npz")
     assert len(_checkpoint_dirs(result)) == 3
     assert not [d for d in os.listdir(result.path) if "orbax-checkpoint-tmp" in d]
+
+
+def test_a_finished_save_ray_never_registered_is_resumed_from(uninterrupted, tmp_path):
+    """Rank 0 dies after the step-10 save is complete on storage but before Ray registers it. The restart finds
+    Ray's latest at step 5, adopts the newer finished step-10 checkpoint instead of deleting it as an orphan, and
+    ends bitwise equal to the run that never stopped. Ray's retention still sees only what it registered."""
+    _, clean_out, _ = uninterrupted
+    result, out, restores = _fit(tmp_path, "unregistered", {"settle_at": [10], "kill_after_commit": 10},
+                                 max_failures=1, num_to_keep=2)
+    assert result.error is None, result.error
+    assert (out / "killed_after_commit").exists()
+    assert [r["step"] for r in restores] == [0, 10], restores
+    assert re.search(r"/checkpoint_000000005_[0-9a-f]{8}$", restores[1]["offered"]), restores  # Ray's latest
+    assert re.search(r"/checkpoint_000000010_[0-9a-f]{8}$", restores[1]["path"]), restores
+    _assert_bitwise_equal(clean_out / "final.npz", out / "final.npz")
+    # The adopted step-10 directory, which Ray never tracked, was deleted once the step-15 save was complete.
+    assert [int(n.split("_")[1]) for n in _checkpoint_dirs(result)] == [TOTAL_STEPS - SAVE_EVERY, TOTAL_STEPS]
 
 
 def test_two_workers_restore_onto_one(uninterrupted, tmp_path):

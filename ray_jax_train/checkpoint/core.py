@@ -206,6 +206,12 @@ def _checkpoints_in(loc: _Location) -> List[str]:
     return sorted(n for n in names if all(_exists(loc.child(n), f) for f in _finished_marks(loc)))
 
 
+def _step_of(loc: _Location) -> int:
+    """The step in one of our checkpoints' names; -1 for any other name."""
+    match = _NAME_RE.match(loc.fs_path.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else -1
+
+
 def _finished_marks(loc: _Location) -> Tuple[str, ...]:
     """Files a finished checkpoint has. On S3 a save writes under its final name from the start (no rename), so
     only orbax's commit file, written last, tells a finished one from one a crash cut short."""
@@ -484,6 +490,7 @@ class JaxCheckpointer:
         self._pending: Optional[_PendingSave] = None
         self._token: Optional[str] = None
         self._last_saved_step: Optional[int] = None
+        self._adopted: List[_Location] = []  # finished saves Ray never registered, restored from; not Ray's to delete
         self._ray_preemption_saved = False
         self._location: Optional[_Location] = None
         self._storage_checked = False
@@ -574,11 +581,26 @@ class JaxCheckpointer:
                 if _sync.process_index() == 0:
                     values = combine_checksums([json.loads(s) for s in shares])
                     _write_json(pending.location, CHECKSUMS_FILE, {"paths": pending.paths, "values": values})
+            self._drop_adopted_before(pending.step)
         except BaseException as exc:
             pending.error = exc
             raise
         finally:
             pending.done.set()
+
+    def _drop_adopted_before(self, step: int) -> None:
+        """Delete the adopted checkpoints older than a save now complete: Ray's retention never sees them, and a
+        stop from here on finds this newer one to adopt instead."""
+        older = [loc for loc in self._adopted if _step_of(loc) < step]
+        self._adopted = [loc for loc in self._adopted if _step_of(loc) >= step]
+        if _sync.process_index() != 0:
+            return
+        for loc in older:
+            logger.info("Removing %s (adopted, never registered, now superseded by step %d).", loc.fs_path, step)
+            try:
+                loc.filesystem.delete_dir(loc.fs_path)
+            except Exception as exc:
+                logger.warning("Could not remove %s: %s", loc.fs_path, exc)
 
     def _await_commit(self, pending: _PendingSave):
         """Ray's "upload" function: copy nothing, wait until orbax has committed this save."""
@@ -779,7 +801,8 @@ class JaxCheckpointer:
         into their target shardings, so the target may be on a different mesh or number of workers than the
         saving run. If the latest checkpoint is corrupt or partial, the previous reported ones are tried,
         newest first (`fallback`). `cleanup` removes, on a fresh incarnation, orbax temporary directories and
-        checkpoint directories Ray never registered (left by a worker that died mid-save). `partial=True` reads
+        checkpoint directories Ray never registered (left by a worker that died mid-save); a finished one newer
+        than every registered checkpoint (its run stopped before Ray registered it) is restored from instead. `partial=True` reads
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
@@ -802,12 +825,16 @@ class JaxCheckpointer:
         # still be on its way to Ray, and Ray's list, cut short by its timeout, would not show it.
         cleanup = cleanup and self._pending is None and self._last_saved_step is None
         reported = self._reported_locations() if (fallback or cleanup) else []
+        known = (reported or []) + ([_location_of(latest)] if latest is not None else [])
+        # Only with Ray's list in hand: without it every registered checkpoint would look unregistered.
+        adopted = self._finished_unregistered(known) if cleanup and reported is not None else []
+        self._adopted = list(adopted)
         if cleanup and reported is not None and _sync.process_index() == 0:
-            # Only with Ray's list in hand: without it every registered checkpoint would look like an orphan.
-            self._remove_orphans(reported + ([_location_of(latest)] if latest is not None else []))
+            self._remove_orphans(known + adopted)
         candidates = [] if latest is None else [_location_of(latest)]
         if fallback and candidates:
             candidates += [loc for loc in (reported or []) if loc.fs_path != candidates[0].fs_path]
+        candidates = (adopted if fallback else adopted[:1]) + (candidates if fallback or not adopted else [])
         candidates = self._agree_on(candidates, listed=reported is not None)
         if not candidates:
             return None
@@ -841,6 +868,31 @@ class JaxCheckpointer:
             return int(step) if step is not None else (int(match.group(1)) if match else -1)
 
         return [_location_of(r.checkpoint) for r in sorted(reported, key=order, reverse=True)]
+
+    def _finished_unregistered(self, known: Sequence[_Location]) -> List[_Location]:
+        """Finished checkpoints newer than any Ray registered, newest first: saves of a run stopped between
+        their commit and Ray's registration (`ray job stop` ends the driver, and with it Ray's controller, while
+        the workers' saves complete). Complete and checksummed, they are the run's latest progress; deleting them
+        as orphans lost up to `save_every` steps."""
+        newest_known = max((_step_of(loc) for loc in known), default=-1)
+        adopted = []
+        for name in reversed(_checkpoints_in(self.location)):
+            loc = self.location.child(name)
+            if _step_of(loc) <= newest_known:
+                break
+            try:
+                meta = _read_json(loc, META_FILE)
+                complete = _exists(loc, f"{STATE_ITEM}/_METADATA") and (
+                    meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
+            except Exception:
+                complete = False
+            if complete and meta.get("format") == FORMAT:
+                adopted.append(loc)
+        if adopted:
+            logger.warning(
+                "Found %d finished checkpoint(s) newer than the last one Ray registered (the run stopped between a "
+                "save and its registration); resuming from the newest, %s.", len(adopted), adopted[0].uri)
+        return adopted
 
     def _remove_orphans(self, keep: Sequence[_Location]) -> None:
         """Delete our checkpoint directories that Ray does not track, and orbax temporaries (process 0 only)."""
