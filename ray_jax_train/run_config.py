@@ -15,6 +15,7 @@ that name the dotted key path and, for typos, the closest valid key.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import itertools
 import json
 import logging
@@ -762,12 +763,48 @@ def trial_lengths(base_steps: Optional[int], param_space: Dict[str, Any]) -> Tup
     return max(steps, default=0), len(steps) < len(values)
 
 
+TOKENIZER_REQUEST = "ray_jax_train_request.json"  # beside a trained tokenizer: the settings it was trained for
+
+
+def _tokenizer_request(config: ExperimentConfig) -> Dict[str, Any]:
+    """What decides a trained tokenizer's ids: its size and the texts it learned from."""
+    return {"vocab_size": config.tokenizer.vocab_size, "source": config.data.paths() or "stdlib",
+            "kind": config.data.kind, "max_docs": config.data.max_docs,
+            "text_column": config.training.get("text_column", "text")}
+
+
+def _recorded_request(directory: str) -> Optional[Dict[str, Any]]:
+    """The request a tokenizer in `directory` was trained for; None if there is none, or it predates the record."""
+    from ray_jax_train.storage import exists, filesystem
+
+    if not exists(join(directory, TOKENIZER_REQUEST)):
+        return None
+    fs, path = filesystem(join(directory, TOKENIZER_REQUEST))
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def trained_tokenizer_dir(config: ExperimentConfig, directory: str) -> str:
+    """`directory`, unless it holds a tokenizer trained for other settings: then a sibling named after these.
+
+    A new Tune search under an old name starts new trials, so it needs no old ids, and it must not silently keep
+    a tokenizer of another `tokenizer.vocab_size` or data; the old one stays for the earlier search's best.json."""
+    from ray_jax_train.storage import exists
+
+    recorded = _recorded_request(directory) if exists(join(directory, "tokenizer.json")) else None
+    if recorded is None or recorded == json.loads(json.dumps(_tokenizer_request(config))):
+        return directory
+    digest = hashlib.sha256(json.dumps(_tokenizer_request(config), sort_keys=True).encode()).hexdigest()[:8]
+    return f"{directory}-{digest}"
+
+
 def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):
     """The configured tokenizer, or one trained now on the data and saved in `directory` (offline).
 
     `reuse`: a tokenizer already in `directory` is loaded instead. A resumed run must keep the one its checkpoint
     was trained with: one trained again on changed data has the same size but other ids, so the weights would
-    restore without complaint and train on scrambled tokens.
+    restore without complaint and train on scrambled tokens. One trained for another `tokenizer.vocab_size` is
+    refused: the config would be silently ignored.
     """
     from ray_jax_train.storage import exists, local_dir_for
     from ray_jax_train.text import ensure_pad_token, load_tokenizer, train_tokenizer
@@ -778,6 +815,14 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
     if hf_dir is not None:
         return ensure_pad_token(load_tokenizer(hf_dir))  # the weights' own ids: a tokenizer trained now has others
     if reuse and exists(join(directory, "tokenizer.json")):
+        recorded = _recorded_request(directory) or {}
+        wanted = config.tokenizer.vocab_size
+        if recorded.get("vocab_size", wanted) != wanted:
+            raise ConfigError(
+                f"tokenizer.vocab_size is {wanted}, but this run's tokenizer ({directory}) was trained with "
+                f"vocab_size {recorded['vocab_size']}, and the run's checkpoints use its ids. Set tokenizer.vocab_size "
+                f"back to {recorded['vocab_size']} to resume, or start a new run under another name "
+                "(--set run.name=...; RunConfig(name=...) in Python)")
         logging.getLogger(__name__).warning(
             "Reusing the tokenizer trained earlier under this name, %s: its checkpoints were trained with its ids "
             "(a new run.name or tune.name trains a new one).",
@@ -786,6 +831,8 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
     with local_dir_for(directory) as local:  # run storage may be a URI: written locally, then copied there
         tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=local)
+        with open(os.path.join(local, TOKENIZER_REQUEST), "w") as f:
+            json.dump(_tokenizer_request(config), f, indent=2)
     return ensure_pad_token(tokenizer)
 
 

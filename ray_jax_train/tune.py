@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
                                       hf_tokenizer_dir, parse_config, quiet_data_context, quiet_worker, read_file,
-                                      trial_lengths)
+                                      trained_tokenizer_dir, trial_lengths)
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -245,7 +245,8 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         # Not an error: a job that may be retried runs the same command, --resume included, every time.
         logger.warning("No earlier search in %s to resume: starting it.", experiment_dir)
     earlier_search = not resuming and tune.Tuner.can_restore(experiment_dir)
-    tokenizer_path = base.tokenizer.path or hf_tokenizer_dir(base) or join(experiment_dir, "tokenizer")
+    tokenizer_path = (base.tokenizer.path or hf_tokenizer_dir(base)
+                      or trained_tokenizer_dir(base, join(experiment_dir, "tokenizer")))
     if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
         # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.

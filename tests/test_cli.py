@@ -312,6 +312,20 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
     assert ensure_tokenizer(changed, str(tmp_path / "tok"), reuse=True)(text)["input_ids"] == saved(text)["input_ids"]
     retrained = ensure_tokenizer(changed, str(tmp_path / "tok2"))
     assert retrained(text)["input_ids"] != saved(text)["input_ids"]  # what a resume used to get
+    # Another tokenizer.vocab_size is refused on resume: the reused tokenizer silently ignored it.
+    bigger = parse_config({"data": {"max_docs": 20}, "tokenizer": {"vocab_size": 400}})
+    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size is 400, but .* vocab_size 300.* back to 300"):
+        ensure_tokenizer(bigger, str(tmp_path / "tok"), reuse=True)
+    # A new Tune search under an old name (new trials, no old ids to keep) gets a tokenizer of its own settings
+    # beside the old one, which the earlier search's best.json still names; its own settings find it again.
+    from ray_jax_train.run_config import trained_tokenizer_dir
+
+    assert trained_tokenizer_dir(first, str(tmp_path / "tok")) == str(tmp_path / "tok")
+    other = trained_tokenizer_dir(bigger, str(tmp_path / "tok"))
+    assert other.startswith(str(tmp_path / "tok-"))
+    assert len(ensure_tokenizer(bigger, other, reuse=True)) > 300
+    assert trained_tokenizer_dir(bigger, str(tmp_path / "tok")) == other
+    assert len(ensure_tokenizer(first, str(tmp_path / "tok"), reuse=True)) <= 300
 
 
 def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ignored(tmp_path):
