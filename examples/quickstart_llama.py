@@ -15,7 +15,6 @@ import time
 
 
 def main(argv=None):
-    import ray.data
 
     import ray_jax_train as rjt
     from ray_jax_train.lm import RayDistributedTrainer, TrainingArguments, read_metrics
@@ -49,7 +48,6 @@ def main(argv=None):
     # Logical CPUs beyond the 2 training workers let Ray Data tokenise alongside training on a small machine; under
     # `ray job submit` this joins the job's cluster instead.
     rjt.init_ray(include_dashboard=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False  # keep the training log readable
     trainer = RayDistributedTrainer(
         tokenizer_dir,
         model_type="llama",

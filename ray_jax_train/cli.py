@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 def _quiet(verbose: bool) -> None:
     if verbose:
         return
-    from ray_jax_train.run_config import QUIET_ENV
+    from ray_jax_train.quiet import QUIET_ENV
 
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -110,7 +110,7 @@ def _connect(config, address: Optional[str], verbose: bool):
     """Join the cluster the user named, or start a private local one (never someone else's by accident)."""
     import ray
 
-    from ray_jax_train.run_config import QUIET_ENV
+    from ray_jax_train.quiet import QUIET_ENV
 
     if ray.is_initialized():
         return ray
@@ -131,7 +131,7 @@ def _connect(config, address: Optional[str], verbose: bool):
     else:
         ray.init(address=address, **kwargs)
     if not verbose:
-        from ray_jax_train.run_config import quiet_data_context
+        from ray_jax_train.quiet import quiet_data_context
 
         quiet_data_context()
         for name in _NOISY_LOGGERS:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype, refuse_bool_numbers
 from ray_jax_train.lm.arguments import TrainingArguments
+from ray_jax_train.quiet import quiet_run_settings, quiet_train_loop
 from ray_jax_train.storage import absolute, is_uri, join
 
 __all__ = [
@@ -851,61 +852,6 @@ def _datasets(config: ExperimentConfig):
     return rows[n_eval:], (rows[:n_eval] or None)
 
 
-QUIET_ENV = {
-    "TF_CPP_MIN_LOG_LEVEL": "2",  # XLA/absl C++ info lines
-    "GRPC_VERBOSITY": "ERROR",
-    "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning",
-    "RAY_DATA_LOG_LEVEL": "WARNING",
-    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
-    # Ray core's C++ ERROR notices that need no action (an actor "has constructor arguments in the object store",
-    # for Ray Data's and Train's own actors). The cost: Ray announces the variable in one "Set ray log level from
-    # environment variable RAY_BACKEND_LOG_LEVEL" line per process it starts, logged before the level applies.
-    "RAY_BACKEND_LOG_LEVEL": "fatal",
-}
-_QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
-
-
-def quiet_worker() -> None:
-    """Ray worker setup hook: library INFO lines (orbax per-save chatter, Train's per-report lines) off."""
-    import logging
-    import warnings
-
-    import ray
-
-    for category in (DeprecationWarning, FutureWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category)
-    # Some Ray modules name their logger by file path (logging.getLogger(__file__)), outside "ray.*": Train's
-    # "Reporting training result N: TrainingReport(...)" line, once per report, comes from one of them.
-    ray_files = os.path.join(os.path.dirname(ray.__file__), "")
-    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(_QUIET_LOGGERS + (ray_files,))]
-    for name in set(names) | set(_QUIET_LOGGERS):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.WARNING)
-    except ImportError:  # pragma: no cover - absl comes with jax
-        pass
-
-
-def quiet_data_context() -> None:
-    """Ray Data's progress bars and per-execution banners off in this process (the driver, or a Tune trial, which
-    builds its datasets in its own process with Ray Data's defaults)."""
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
-    context.print_on_execution_start = False
-
-
-def quiet_train_loop(config: Dict[str, Any]) -> None:
-    """The built-in LM loop, with library INFO logging silenced first in this worker."""
-    from ray_jax_train.lm.loop import train_loop_per_worker
-
-    quiet_worker()
-    return train_loop_per_worker(config)
-
-
 def jax_config_for(scaling: ScalingSection):
     """JaxConfig for the workers. Fractional GPUs (Tune trials sharing one) turn JAX's preallocation off and
     cap each process at its share, or the first trial would take 75% of the GPU and the next ones fail."""
@@ -931,8 +877,6 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     keeps worker logs to warnings and the progress bar (the CLI's default; --verbose turns it off).
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.v2.api.config import LoggingConfig
-
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.data import prepare_lm_datasets
     from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
@@ -984,8 +928,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
                              checkpoint_config=CheckpointConfig(num_to_keep=config.run.checkpoints_to_keep),
                              failure_config=FailureConfig(max_failures=config.run.max_failures),
                              callbacks=callbacks or None,
-                             logging_config=LoggingConfig(log_level="WARNING") if quiet else None,
-                             worker_runtime_env={"env_vars": dict(QUIET_ENV)} if quiet else None),
+                             **(quiet_run_settings() if quiet else {})),
         datasets=datasets,
     )
     info = {"name": name, "storage_path": storage, "run_dir": run_dir, "total_steps": total_steps,

@@ -25,8 +25,9 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
-                                      hf_tokenizer_dir, parse_config, quiet_data_context, quiet_worker, read_file,
-                                      trained_tokenizer_dir, trial_lengths)
+                                      hf_tokenizer_dir, parse_config, read_file, trained_tokenizer_dir,
+                                      trial_lengths)
+from ray_jax_train.quiet import quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 

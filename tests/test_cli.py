@@ -433,7 +433,7 @@ def test_quiet_workers_silence_ray_loggers_named_by_file_path():
     from absl import logging as absl_logging
     from ray.train.v2._internal.execution import context
 
-    from ray_jax_train.run_config import quiet_worker
+    from ray_jax_train.quiet import quiet_worker
 
     def loggers():
         return [v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)]

@@ -100,6 +100,8 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 8
     assert losses[-1] < 0.6 * losses[0], losses
+    # Quiet by default, as under the CLI: no "Reporting training result ..." line per report from each worker.
+    assert json.loads((record / "logging.json").read_text()) == {"train_reports_at_info": False}
     # dp over two CPU processes: the gradients were summed in one flat gloo all-reduce (lm.step.one_all_reduce_axes)
     assert json.loads((record / "mesh.json").read_text())["one_all_reduce_over"] == ["dp"]
     evals = [r for r in records if "eval_loss" in r]
@@ -158,8 +160,9 @@ def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tm
     trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record")
     model = trainer.create_model(trainer.create_config(1).replace(seed=7))
     _, params = split_model(model)
-    trainer.train(1, one_step_args(tmp_path, "model"), packed_rows(), model=model)
+    trainer.train(1, one_step_args(tmp_path, "model"), packed_rows(), model=model, verbose=True)
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(params))
+    assert json.loads((tmp_path / "record" / "logging.json").read_text()) == {"train_reports_at_info": True}
     # Not the default init: the check above could not pass by accident.
     _, default = split_model(trainer.create_model(scaling_index=1))
     assert not np.allclose(flat(default)["['lm_head']['kernel']"], flat(params)["['lm_head']['kernel']"])

@@ -269,12 +269,13 @@ class RayDistributedTrainer:
     # -- training -----------------------------------------------------------------------------------------
 
     def train(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
-              model=None, state=None):
+              model=None, state=None, *, verbose: bool = False):
         """Train on Ray workers and return Ray's `Result` (outputs under `result.path`).
 
         Starting weights, first match wins: `state`, then `model`, then the trainer's `checkpoint_path`, then a
         new model at `scaling_index`. Under `result.path`: `metrics.jsonl` (one record per log/eval step),
-        `final_model/` (HF safetensors + tokenizer) and the checkpoints.
+        `final_model/` (HF safetensors + tokenizer) and the checkpoints. Ray, Ray Data, JAX and orbax log only
+        warnings, as under the CLI, unless `verbose` (then also Train's line per report and orbax's per save).
         """
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
@@ -283,6 +284,8 @@ class RayDistributedTrainer:
         from ray_jax_train.lm.data import prepare_lm_datasets
         from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
         from ray_jax_train.trainer import JaxTrainer, ensure_ray_leaves_cpu_for_data
+
+        from ray_jax_train.quiet import quiet_driver, quiet_run_settings, quiet_train_loop
 
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
         config = self._train_config(scaling_index, args, model)
@@ -319,6 +322,8 @@ class RayDistributedTrainer:
             given = ray.get(init["ref"])["params"]
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
 
+        if not verbose:
+            quiet_driver()
         tokenizer = self._maybe_tokenizer()
         datasets, columns, total_steps = prepare_lm_datasets(
             dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
@@ -326,7 +331,7 @@ class RayDistributedTrainer:
 
         run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = JaxTrainer(
-            train_loop_per_worker,
+            train_loop_per_worker if verbose else quiet_train_loop,
             train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
                                           tokenizer=tokenizer,
                                           **self._extra_loop_config),
@@ -337,6 +342,7 @@ class RayDistributedTrainer:
                 storage_path=absolute(args.output_dir) if args.output_dir else None,
                 checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
                 failure_config=FailureConfig(max_failures=args.max_failures),
+                **({} if verbose else quiet_run_settings()),
             ),
             datasets=datasets,
         )

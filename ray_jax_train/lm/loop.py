@@ -130,6 +130,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                            "one_all_reduce_over": one_all_reduce_axes(mesh, jax.tree.map(lambda a: a.sharding,
                                                                                          abstract))})
     recorder.params("initial_params" if step == 0 else f"resumed_params_{step}", state["params"])
+    recorder.json("logging", {"train_reports_at_info": _train_logs_each_report()})
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
     train_step = _with_mesh(mesh, step_fn)
@@ -619,6 +620,15 @@ def _loop_mesh(args):
                              "one place (TrainingArguments.mesh is what the driver checks the batch against).")
         own = TrainingArguments.model_validate({**args.model_dump(), "mesh": own}).mesh
     return make_mesh(args.mesh or own or {"dp": -1}, dcn=config.dcn_mesh if config is not None else None)
+
+
+def _train_logs_each_report() -> bool:
+    """Whether Ray Train logs its "Reporting training result" line here (tests: quiet mode turns it off)."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    return context.logger.isEnabledFor(logging.INFO)
 
 
 class _Recorder:
