@@ -65,7 +65,10 @@ def quiet_run_settings() -> Dict[str, Any]:
     """`RunConfig` keyword arguments that keep workers to warnings (their env vars apply when each one starts)."""
     from ray.train.v2.api.config import LoggingConfig
 
-    return {"logging_config": LoggingConfig(log_level="WARNING"), "worker_runtime_env": {"env_vars": dict(QUIET_ENV)}}
+    # Not RAY_BACKEND_LOG_LEVEL: the notices it hides come from actors the driver starts (Ray Data's, Train's), which
+    # only a runtime_env given to ray.init reaches (the CLI's); in the workers it would only add its announcement.
+    env = {k: v for k, v in QUIET_ENV.items() if k != "RAY_BACKEND_LOG_LEVEL"}
+    return {"logging_config": LoggingConfig(log_level="WARNING"), "worker_runtime_env": {"env_vars": env}}
 
 
 def quiet_driver() -> None:

@@ -133,3 +133,22 @@ def test_each_checkpoint_exports_with_the_config_it_was_trained_with(run, tmp_pa
     assert not os.path.isfile(tmp_path / "alone_out" / "tokenizer.json")
     # model/ holds only whole files (they are written aside, then moved in).
     assert sorted(os.listdir(copy / "model")) == sorted(n for n in os.listdir(copy / "model") if not n.startswith("."))
+
+
+def test_a_run_stopped_before_ray_registered_its_last_save_exports_that_save(run, tmp_path):
+    """`ray job stop` can end a run after a save finished on storage and before Ray registered it: the run's
+    newest state, which its next start resumes from, so exporting the run directory exports it too. A newer
+    directory missing a file the restore needs (here its checksums) is not such a save."""
+    run_dir, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    early, last = _checkpoints(copy)
+    unregistered = copy / f"checkpoint_000000006_{os.path.basename(early)[-8:]}"
+    shutil.copytree(early, unregistered)  # step 2's state under a newer step's name: which one was exported shows
+    early_params = _params(export_checkpoint(early, tmp_path / "early"))
+    exported = _params(export_checkpoint(copy, tmp_path / "newest"))
+    assert all(np.array_equal(exported[k], early_params[k]) for k in early_params)
+    (unregistered / "checksums.json").unlink()
+    final = _params(os.path.join(run_dir, "final_model"))
+    exported = _params(export_checkpoint(copy, tmp_path / "registered"))
+    assert all(np.array_equal(exported[k], final[k]) for k in final)

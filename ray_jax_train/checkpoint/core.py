@@ -212,6 +212,25 @@ def _step_of(loc: _Location) -> int:
     return int(match.group(1)) if match else -1
 
 
+def finished_after(run: _Location, step: int) -> List[_Location]:
+    """Complete checkpoints in the run directory `run` of a step above `step`, newest first: every file a restore
+    needs is there, checksums included when the save recorded them."""
+    found = []
+    for name in reversed(_checkpoints_in(run)):
+        loc = run.child(name)
+        if _step_of(loc) <= step:
+            break
+        try:
+            meta = _read_json(loc, META_FILE)
+            complete = meta.get("format") == FORMAT and _exists(loc, f"{STATE_ITEM}/_METADATA") and (
+                meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
+        except Exception:
+            complete = False
+        if complete:
+            found.append(loc)
+    return found
+
+
 def _finished_marks(loc: _Location) -> Tuple[str, ...]:
     """Files a finished checkpoint has. On S3 a save writes under its final name from the start (no rename), so
     only orbax's commit file, written last, tells a finished one from one a crash cut short."""
@@ -874,20 +893,7 @@ class JaxCheckpointer:
         their commit and Ray's registration (`ray job stop` ends the driver, and with it Ray's controller, while
         the workers' saves complete). Complete and checksummed, they are the run's latest progress; deleting them
         as orphans lost up to `save_every` steps."""
-        newest_known = max((_step_of(loc) for loc in known), default=-1)
-        adopted = []
-        for name in reversed(_checkpoints_in(self.location)):
-            loc = self.location.child(name)
-            if _step_of(loc) <= newest_known:
-                break
-            try:
-                meta = _read_json(loc, META_FILE)
-                complete = _exists(loc, f"{STATE_ITEM}/_METADATA") and (
-                    meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
-            except Exception:
-                complete = False
-            if complete and meta.get("format") == FORMAT:
-                adopted.append(loc)
+        adopted = finished_after(self.location, max((_step_of(loc) for loc in known), default=-1))
         if adopted:
             logger.warning(
                 "Found %d finished checkpoint(s) newer than the last one Ray registered (the run stopped between a "

@@ -108,10 +108,19 @@ def _resolve(source: str):
             latest = Result.from_path(where + query).checkpoint
         finally:
             manager_log.setLevel(level)
-        if latest is None:
+        from ray_jax_train.checkpoint.core import _location_of, _step_of, finished_after
+
+        # A save that finished after the run was stopped, before Ray registered it: the run's newest state, and
+        # the one its next start resumes from.
+        newer = finished_after(_location_of(where + query), _step_of(_location_of(latest)) if latest else -1)
+        name = newer[0].fs_path if newer else latest.path if latest else None
+        if name is None:
             raise FileNotFoundError(f"The run {source} registered no checkpoint (training.save_steps saves them); "
                                     "its final_model/, if it finished, is already a Hugging Face directory.")
-        return f"{where}/{latest.path.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
+        if newer:
+            logger.warning("Exporting %s, a finished checkpoint newer than the last one Ray registered (the run "
+                           "stopped before registering it).", newer[0].uri)
+        return f"{where}/{name.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
     hint = " It is a Hugging Face model directory already." if has("config.json") else ""
     raise FileNotFoundError(
         f"{source} is neither a ray_jax_train checkpoint (no {_CHECKPOINT_MARK}) nor a Ray Train run directory "
