@@ -7,7 +7,7 @@ transformers before its loop asks for them.
 import importlib
 
 from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
-from ray_jax_train.data import batch_sharding, iter_jax_batches
+from ray_jax_train.data import NoFullBatchError, batch_sharding, iter_jax_batches
 from ray_jax_train.mesh import get_mesh, make_mesh
 from ray_jax_train.trainer import JaxTrainer, init_ray
 
@@ -66,7 +66,7 @@ _LAZY = {
 }
 
 __all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
-           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", *_LAZY]
+           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", *_LAZY]
 
 
 # Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.

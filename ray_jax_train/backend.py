@@ -246,7 +246,8 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             config.platform = _platform_from_env(config, run_config) or "cpu"
     if config.platform == "gpu" and not _requests_gpus(scaling_config):
         raise ValueError(
-            "JaxConfig(platform='gpu') but the ScalingConfig gives the workers no GPU, so JAX would find none. "
+            "JaxConfig(platform='gpu', or 'cuda', its other name) but the ScalingConfig gives the workers no GPU, so "
+            "JAX would find none. "
             "Use ScalingConfig(use_gpu=True) (or resources_per_worker={'GPU': n}), or platform='cpu'."
         )
     if config.platform == "tpu" and not scaling_config.use_tpu:

@@ -187,7 +187,7 @@ def iter_jax_batches(
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
-    host_batches = itertools.islice(_warn_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches,
+    host_batches = itertools.islice(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches,
                                     None)
 
     global_shape_of = lambda array: (batch_size,) + array.shape[1:]  # noqa: E731
@@ -216,8 +216,13 @@ class _RowCount:
         return batch
 
 
-def _warn_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int):
-    """Pass `batches` on; if there were none although rows were read, say why (a loop over them just ends)."""
+class NoFullBatchError(ValueError):
+    """The data read holds fewer rows than one global batch: a loop over it would end at once, as if trained."""
+
+
+def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int):
+    """Pass `batches` on; if there were none although rows were read, raise, saying why: a loop over them just
+    ended, and fit() reported success for a run that trained nothing."""
     given = 0
     for batch in batches:
         given += 1
@@ -225,11 +230,11 @@ def _warn_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: 
     if not given and read.rows:
         import jax
 
-        logger.warning(
-            "iter_jax_batches gave no batch although this process read %d rows: a batch (batch_size=%d) takes %d "
-            "rows from each of the %d processes, and remainder='drop' drops a tail too short for that. Use a "
-            "smaller batch_size, more data, or remainder='pad'.", read.rows, batch_size, local_rows,
-            jax.process_count())
+        raise NoFullBatchError(
+            f"iter_jax_batches gave no batch although this process read {read.rows} rows: a batch "
+            f"(batch_size={batch_size}) takes {local_rows} rows from each of the {jax.process_count()} processes, "
+            "and remainder='drop' drops a tail too short for that. Use a smaller batch_size, more data, or "
+            "remainder='pad'.")
 
 
 def _split_rows(batches, rows: int):

@@ -558,3 +558,79 @@ def test_checksums_cover_every_dtype_and_catch_one_flipped_bit():
         placed = {"k": jax.device_put(wide["k"], NamedSharding(mesh, k_spec)),
                   "x": jax.device_put(wide["x"], NamedSharding(mesh, x_spec))}
         assert checksums(placed) == whole, (x_spec, k_spec)
+
+
+def dropin_mistakes_loop(config):
+    """Mistakes of a loop ported from Ray's own JaxTrainer, each recorded by rank 0 in `out/<mode>.json`."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+    import ray.train
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ray_jax_train.checkpoint import JaxCheckpointer, abstract_state
+
+    mode, out, rank = config["mode"], config["out"], jax.process_index()
+    mesh = rjt.get_mesh()
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ray_jax_train.checkpoint").addHandler(handler)
+    ckpt = JaxCheckpointer(timeout_s=config.get("timeout_s", 600))
+    # Replicated from a jax.Array: JAX 0.10 makes an array whose shards cannot be read on a multi-process CPU job.
+    state = {"w": jax.device_put(jnp.arange(8, dtype=jnp.float32), NamedSharding(mesh, P())),
+             "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
+    record = {}
+    if mode == "rank0":  # Ray's usual pattern: only rank 0 saves, the others only report
+        if rank == 0:
+            ckpt.save(1, state)
+        else:
+            ray.train.report({"step": 1})
+    elif mode == "state":
+        try:
+            ckpt.save(1, state, data_state={0: 5})
+        except TypeError as exc:
+            record["data_state"] = str(exc)
+        path = ckpt.save(1, state, data_state={"epoch": 0}, wait=True)
+        restored = ckpt.restore(abstract_state(state), path)
+        record["restored"] = np.asarray(restored.state["w"].addressable_data(0)).tolist()
+        try:
+            ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), path)
+        except ValueError as exc:
+            record["no_sharding"] = str(exc)
+    elif mode == "no_restore":  # a second fit of the run: Ray offers step 1's checkpoint, and the loop ignores it
+        ckpt.save(1, state, wait=True)
+    ckpt.close()
+    record["warnings"] = warnings
+    if rank == 0:
+        with open(os.path.join(out, f"{mode}.json"), "w") as f:
+            json.dump(record, f)
+
+
+def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster, tmp_path):
+    """Found by porting a script written for Ray's own JaxTrainer. Before: a rank-0-only save waited silently for
+    10 minutes and then named a key-value key; a replicated state made by device_put from a jax.Array could not be
+    saved; a data_state with an int key came back with a str key; a target without shardings came back as numpy; a
+    loop that never restored started over without a word."""
+    def fit(mode, name, **config):
+        trainer = rjt.JaxTrainer(
+            dropin_mistakes_loop, train_loop_config={"mode": mode, "out": str(tmp_path), **config},
+            scaling_config=ScalingConfig(num_workers=2), jax_config=rjt.JaxConfig(shutdown_timeout_s=5),
+            run_config=RunConfig(name=name, storage_path=str(tmp_path / "storage")))
+        return trainer.fit()
+
+    with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\], which never reached it.*not only on rank 0"):
+        fit("rank0", "rank0", timeout_s=4)
+
+    assert fit("state", "ported").error is None
+    record = json.loads((tmp_path / "state.json").read_text())
+    assert "data_state={0: 5} does not survive JSON unchanged (it comes back as {'0': 5})" in record["data_state"]
+    assert record["restored"] == list(range(8))
+    assert "['step'], ['w'] (2 leaves) are ShapeDtypeStructs with no sharding" in record["no_sharding"]
+    assert "abstract_state(state)" in record["no_sharding"]
+    assert not [w for w in record["warnings"] if "restore() was not called" in w]
+
+    assert fit("no_restore", "ported").error is None
+    warnings = json.loads((tmp_path / "no_restore.json").read_text())["warnings"]
+    assert [w for w in warnings if "already has a checkpoint of step 1" in w and "restore() was not called" in w]

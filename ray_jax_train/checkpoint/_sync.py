@@ -8,10 +8,21 @@ the training step's collectives.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from typing import List, Optional
+
+logger = logging.getLogger(__name__)
 
 _rounds = itertools.count()
 _TIMEOUT_MS = 10 * 60 * 1000
+_WARN_AFTER_MS = 60 * 1000
+_RULE = ("Checkpoint calls are collective: call save/maybe_save/restore/wait (save_and_report, restore) on every "
+         "worker with the same step, not only on rank 0 as with Ray's own checkpoints")
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """Some processes never reached a checkpoint exchange that every process must join."""
 # This process's keys from earlier rounds, deleted once a later round shows every process is past them: never
 # deleted, the coordinator kept two keys per process per preemption check (one every 10 steps) for the whole run.
 _written: List[str] = []
@@ -44,7 +55,7 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if in_order else f"ray_jax_train/ckpt/{key}"
     mine = f"{key}/{process_index()}"
     client.key_value_set(mine, value)
-    values = [client.blocking_key_value_get(f"{key}/{p}", timeout_ms) for p in range(process_count())]
+    values = _gather(client, tag, [f"{key}/{p}" for p in range(process_count())], timeout_ms)
     if in_order:
         # Every process has written this round, so each has read every earlier one: ours can go.
         for old in _written:
@@ -65,4 +76,45 @@ def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
         client.key_value_set(key, value)
         _written.append(key)
         return value
-    return client.blocking_key_value_get(key, timeout_ms)
+    return _gather(client, tag, [key], timeout_ms)[0]
+
+
+def _missing(client, keys: List[str]) -> List[int]:
+    missing = []
+    for key in keys:
+        try:
+            client.key_value_try_get(key)
+        except Exception:
+            missing.append(int(key.rsplit("/", 1)[-1]) if len(keys) > 1 else 0)
+    return missing
+
+
+def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
+    """The values under `keys`; a warning after a minute, then an error, naming the processes that never wrote.
+
+    A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
+    rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    warned = False
+    values = []
+    for key in keys:
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            wait_ms = max(1, min(left_ms, _WARN_AFTER_MS) if not warned else left_ms)
+            try:
+                values.append(client.blocking_key_value_get(key, wait_ms))
+                break
+            except Exception as exc:
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise
+            missing = _missing(client, keys)
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"Process {process_index()} waited {timeout_ms / 1000:.0f} s at the checkpoint exchange "
+                    f"{tag!r} for process(es) {missing}, which never reached it. {_RULE}. If they are only slower "
+                    "(a large state on slow storage), raise JaxCheckpointer(timeout_s=...).") from None
+            if not warned:
+                warned = True
+                logger.warning("Process %d has waited %.0f s at the checkpoint exchange %r for process(es) %s. %s.",
+                               process_index(), _WARN_AFTER_MS / 1000, tag, missing, _RULE)
+    return values

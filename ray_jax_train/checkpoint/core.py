@@ -323,6 +323,26 @@ def _checkable(leaf) -> bool:
 _checksum_jit = None
 
 
+def _with_readable_shards(state):
+    """`state` with every array's shards readable on this process.
+
+    In a multi-process CPU job, `jax.device_put(<a jax.Array>, NamedSharding(mesh, P()))` makes an array that
+    computes correctly under jit but whose `addressable_shards` raise "the input arrays must have one shard each"
+    (JAX 0.10): a state built that way (or a key or frozen params kept out of the step) could not be saved. An
+    identity jit, which needs no communication, gives the same values as a well-formed array."""
+    import jax
+
+    def readable(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            try:
+                x.addressable_shards
+            except ValueError:
+                return jax.jit(lambda y: y, out_shardings=x.sharding)(x)
+        return x
+
+    return jax.tree.map(readable, state)
+
+
 def start_checksums(state) -> Callable[[], List[Optional[List[int]]]]:
     """Dispatch this process's share of the checksums of `state` without waiting; returns a function that
     waits and gives them (`combine_checksums` adds the processes' shares into the global values).
@@ -402,6 +422,29 @@ def _composite_handler(loc: Optional[_Location] = None):
 _OWN_META_KEYS = ("format", "step", "data_state", "checksums", "process_count", "time")
 
 
+def _check_json(name: str, value: Any) -> None:
+    """Fail at once, on every worker, unless `value` comes back from JSON as it is (numpy numbers fail, and int
+    keys and tuples came back as strings and lists: a resumed loop then read another position or none)."""
+    try:
+        back = json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be JSON: {exc}. Convert numpy values with int()/float()/.tolist().") from None
+    if _json_types(back) != _json_types(value):
+        raise TypeError(f"{name}={value!r} does not survive JSON unchanged (it comes back as {back!r}): use str "
+                        "keys, lists instead of tuples, and plain int/float/str/bool/None values.")
+
+
+def _json_types(value: Any):
+    if isinstance(value, dict):
+        return {k: _json_types(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__] + [_json_types(v) for v in value]
+    for kind in (bool, int, float, str, type(None)):  # np.float64 is a float, and comes back as one
+        if isinstance(value, kind):
+            return kind.__name__
+    return type(value).__name__
+
+
 def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """`metadata` as a dict, refused at construction (not at the first save, an hour in) if a save could not
     write it."""
@@ -415,6 +458,22 @@ def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"JaxCheckpointer(metadata=...) must be JSON-serialisable: {exc}") from None
     return metadata
+
+
+def _check_target_shardings(target) -> None:
+    """A restore target's abstract arrays must say where their shards go: orbax restores one without a sharding
+    as a numpy array on the host, and the loop fails later, far from the cause."""
+    import jax
+
+    bare = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(target)
+            if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+    if bare:
+        raise ValueError(
+            f"The restore target's {', '.join(bare[:5])}{' ...' if len(bare) > 5 else ''} "
+            f"{'is a ShapeDtypeStruct' if len(bare) == 1 else f'({len(bare)} leaves) are ShapeDtypeStructs'} with no "
+            "sharding, which orbax would restore as numpy arrays on the host. Build the target with "
+            "abstract_state(state) from the state as placed on the mesh (or abstract_state(state, shardings)), or "
+            "give jax.ShapeDtypeStruct(shape, dtype, sharding=...).")
 
 
 class _PendingSave:
@@ -509,6 +568,7 @@ class JaxCheckpointer:
         self._pending: Optional[_PendingSave] = None
         self._token: Optional[str] = None
         self._last_saved_step: Optional[int] = None
+        self._restore_called = False
         self._adopted: List[_Location] = []  # finished saves Ray never registered, restored from; not Ray's to delete
         self._ray_preemption_saved = False
         self._location: Optional[_Location] = None
@@ -673,6 +733,8 @@ class JaxCheckpointer:
             if wait:
                 self.wait(registered=True)
             return self.location.child(self._name(step)).uri
+        if self._last_saved_step is None and not self._restore_called:
+            self._warn_if_starting_over(step)
         name = self._name(step)
         location = self.location.child(name)
         meta = {
@@ -684,7 +746,8 @@ class JaxCheckpointer:
             "process_count": _sync.process_count(),
             "time": time.time(),
         }
-        json.dumps(meta)  # fail here, on every worker, if data_state is not JSON-serialisable
+        _check_json("data_state", data_state)
+        state = _with_readable_shards(state)
         pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None,
                                leaf_paths(state))
         # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still
@@ -714,6 +777,20 @@ class JaxCheckpointer:
         if wait or not self.async_save:
             self.wait(registered=wait)
         return location.uri
+
+    @staticmethod
+    def _warn_if_starting_over(step: int) -> None:
+        """A loop that never calls restore() trains again from its start after every restart, silently, and
+        saves the same steps again beside the old ones."""
+        import ray.train
+
+        latest = ray.train.get_checkpoint()
+        if latest is not None and 0 <= step <= _step_of(_location_of(latest)):
+            logger.warning(
+                "Saving step %d, but this run already has a checkpoint of step %d (%s) and restore() was not "
+                "called: the loop started over instead of resuming. Call JaxCheckpointer.restore(abstract_state("
+                "state)) (or ray_jax_train.checkpoint.restore) before the loop, and start at the step it returns.",
+                step, _step_of(_location_of(latest)), latest.path)
 
     def should_save(self, step: int) -> Tuple[bool, str]:
         """(save now?, why): a preemption notice/SIGTERM agreed across workers, or periodic.
@@ -824,6 +901,8 @@ class JaxCheckpointer:
         than every registered checkpoint (its run stopped before Ray registered it) is restored from instead. `partial=True` reads
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
+        _check_target_shardings(target)
+        self._restore_called = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
         if restored is not None and self._last_saved_step is not None:
             # A mid-run rollback: the steps after it are saved again, as new checkpoints. With the old name token a

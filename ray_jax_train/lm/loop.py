@@ -110,6 +110,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     data_pos = {"epoch": 0, "batch": 0}
     resumed_at = None
+    if checkpointer is not None and not args.resume_if_possible:
+        checkpointer._restore_called = True  # starting over is what was asked for: no "restore() not called" warning
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
         from ray_jax_train.checkpoint import abstract_state
 
