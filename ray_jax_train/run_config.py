@@ -796,7 +796,8 @@ def trained_tokenizer_dir(config: ExperimentConfig, directory: str) -> str:
     if recorded is None or recorded == json.loads(json.dumps(_tokenizer_request(config))):
         return directory
     digest = hashlib.sha256(json.dumps(_tokenizer_request(config), sort_keys=True).encode()).hexdigest()[:8]
-    return f"{directory}-{digest}"
+    where, mark, query = directory.partition("?")  # a URI keeps its query (an S3 endpoint) at the end
+    return f"{where.rstrip('/')}-{digest}{mark}{query}"
 
 
 def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = False):

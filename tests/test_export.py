@@ -1,5 +1,6 @@
 """Exporting a run's checkpoints as Hugging Face model directories (`export_checkpoint`, `ray-jax-train export`)."""
 import json
+import time
 import os
 import shutil
 
@@ -145,10 +146,18 @@ def test_a_run_stopped_before_ray_registered_its_last_save_exports_that_save(run
     early, last = _checkpoints(copy)
     unregistered = copy / f"checkpoint_000000006_{os.path.basename(early)[-8:]}"
     shutil.copytree(early, unregistered)  # step 2's state under a newer step's name: which one was exported shows
+    meta = json.loads((unregistered / "meta" / "metadata").read_text())
+    (unregistered / "meta" / "metadata").write_text(json.dumps({**meta, "time": time.time()}))  # saved after step 4
     early_params = _params(export_checkpoint(early, tmp_path / "early"))
     exported = _params(export_checkpoint(copy, tmp_path / "newest"))
     assert all(np.array_equal(exported[k], early_params[k]) for k in early_params)
-    (unregistered / "checksums.json").unlink()
     final = _params(os.path.join(run_dir, "final_model"))
+    # Saved before Ray's latest: an attempt's abandoned save that a later attempt, resuming from an older
+    # checkpoint, overtook. And a newer save missing a file the restore needs is unfinished. Neither is exported.
+    (unregistered / "meta" / "metadata").write_text(json.dumps(meta))
+    exported = _params(export_checkpoint(copy, tmp_path / "older"))
+    assert all(np.array_equal(exported[k], final[k]) for k in final)
+    (unregistered / "meta" / "metadata").write_text(json.dumps({**meta, "time": time.time()}))
+    (unregistered / "checksums.json").unlink()
     exported = _params(export_checkpoint(copy, tmp_path / "registered"))
     assert all(np.array_equal(exported[k], final[k]) for k in final)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from typing import List, Optional
 
@@ -94,12 +95,13 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
 
     A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
     rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile."""
-    deadline = time.monotonic() + timeout_ms / 1000
+    started = time.monotonic()
+    deadline = started + timeout_ms / 1000
     warned = False
     values = []
     for key in keys:
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             wait_ms = max(1, min(left_ms, _WARN_AFTER_MS) if not warned else left_ms)
             try:
                 values.append(client.blocking_key_value_get(key, wait_ms))
@@ -115,6 +117,7 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
                     "(a large state on slow storage), raise JaxCheckpointer(timeout_s=...).") from None
             if not warned:
                 warned = True
-                logger.warning("Process %d has waited %.0f s at the checkpoint exchange %r for process(es) %s. %s.",
-                               process_index(), _WARN_AFTER_MS / 1000, tag, missing, _RULE)
+                logger.warning("Process %d has waited %.0f s at the checkpoint exchange %r for process(es) %s. %s; "
+                               "a worker that is only slower (compiling, reading a large state) arrives later.",
+                               process_index(), time.monotonic() - started, tag, missing, _RULE)
     return values

@@ -212,9 +212,18 @@ def _step_of(loc: _Location) -> int:
     return int(match.group(1)) if match else -1
 
 
-def finished_after(run: _Location, step: int) -> List[_Location]:
-    """Complete checkpoints in the run directory `run` of a step above `step`, newest first: every file a restore
-    needs is there, checksums included when the save recorded them."""
+def finished_after(run: _Location, latest: Optional[_Location]) -> List[_Location]:
+    """Complete checkpoints in the run directory `run` saved after `latest` (Ray's latest), newest first: of a
+    higher step and, when `latest` records its time, saved later (not an abandoned save of an earlier attempt that a
+    later one, resuming from an older checkpoint, has since overtaken). Complete: every file a restore needs is
+    there, checksums included when the save recorded them."""
+    step, since = -1, None
+    if latest is not None:
+        step = _step_of(latest)
+        try:
+            since = float(_read_json(latest, META_FILE)["time"])
+        except Exception:
+            since = None
     found = []
     for name in reversed(_checkpoints_in(run)):
         loc = run.child(name)
@@ -224,6 +233,7 @@ def finished_after(run: _Location, step: int) -> List[_Location]:
             meta = _read_json(loc, META_FILE)
             complete = meta.get("format") == FORMAT and _exists(loc, f"{STATE_ITEM}/_METADATA") and (
                 meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
+            complete = complete and (since is None or float(meta.get("time", 0)) > since)
         except Exception:
             complete = False
         if complete:
@@ -232,9 +242,11 @@ def finished_after(run: _Location, step: int) -> List[_Location]:
 
 
 def _finished_marks(loc: _Location) -> Tuple[str, ...]:
-    """Files a finished checkpoint has. On S3 a save writes under its final name from the start (no rename), so
-    only orbax's commit file, written last, tells a finished one from one a crash cut short."""
-    return ("_CHECKPOINT_METADATA", "commit_success.txt") if _s3.is_s3(loc.filesystem) else ("_CHECKPOINT_METADATA",)
+    """Files a finished checkpoint has. On S3 and GCS a save writes under its final name from the start (orbax's
+    commit-file scheme, no rename), so only its commit file, written last, tells a finished one from one a crash cut
+    short."""
+    commit_file = _s3.is_s3(loc.filesystem) or getattr(loc.filesystem, "type_name", "") == "gcs"
+    return ("_CHECKPOINT_METADATA", "commit_success.txt") if commit_file else ("_CHECKPOINT_METADATA",)
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -323,6 +335,10 @@ def _checkable(leaf) -> bool:
 _checksum_jit = None
 
 
+def _identity(x):
+    return x
+
+
 def _with_readable_shards(state):
     """`state` with every array's shards readable on this process.
 
@@ -337,7 +353,7 @@ def _with_readable_shards(state):
             try:
                 x.addressable_shards
             except ValueError:
-                return jax.jit(lambda y: y, out_shardings=x.sharding)(x)
+                return jax.jit(_identity, out_shardings=x.sharding)(x)
         return x
 
     return jax.tree.map(readable, state)
@@ -429,16 +445,21 @@ def _check_json(name: str, value: Any) -> None:
         back = json.loads(json.dumps(value))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{name} must be JSON: {exc}. Convert numpy values with int()/float()/.tolist().") from None
-    if _json_types(back) != _json_types(value):
-        raise TypeError(f"{name}={value!r} does not survive JSON unchanged (it comes back as {back!r}): use str "
-                        "keys, lists instead of tuples, and plain int/float/str/bool/None values.")
+    if _json_types(back) == _json_types(value):
+        return
+    message = (f"{name}={value!r} does not survive JSON unchanged (it comes back as {back!r}): use str keys, lists "
+               "instead of tuples, and plain int/float/str/bool/None values.")
+    if _json_types(back) != _json_types(value, tuples_as_lists=True):
+        raise TypeError(message)
+    logger.warning(message)  # only tuples, back as lists: most loops read them alike
 
 
-def _json_types(value: Any):
+def _json_types(value: Any, tuples_as_lists: bool = False):
     if isinstance(value, dict):
-        return {k: _json_types(v) for k, v in value.items()}
+        return {k: _json_types(v, tuples_as_lists) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [type(value).__name__] + [_json_types(v) for v in value]
+        kind = "list" if tuples_as_lists else type(value).__name__
+        return [kind] + [_json_types(v, tuples_as_lists) for v in value]
     for kind in (bool, int, float, str, type(None)):  # np.float64 is a float, and comes back as one
         if isinstance(value, kind):
             return kind.__name__
@@ -473,7 +494,8 @@ def _check_target_shardings(target) -> None:
             f"{'is a ShapeDtypeStruct' if len(bare) == 1 else f'({len(bare)} leaves) are ShapeDtypeStructs'} with no "
             "sharding, which orbax would restore as numpy arrays on the host. Build the target with "
             "abstract_state(state) from the state as placed on the mesh (or abstract_state(state, shardings)), or "
-            "give jax.ShapeDtypeStruct(shape, dtype, sharding=...).")
+            "give jax.ShapeDtypeStruct(shape, dtype, sharding=...); a leaf meant to stay on the host can be a numpy "
+            "array in the target.")
 
 
 class _PendingSave:
@@ -489,6 +511,7 @@ def abstract_state(state, shardings=None):
     """`jax.ShapeDtypeStruct`s (with shardings) for `state`, the target `restore` fills.
 
     `shardings`, a matching pytree of `Sharding`s, moves the target onto a different mesh (elastic resume).
+    numpy leaves without a sharding stay as they are: they restore as numpy, on the host.
     """
     import jax
 
@@ -498,11 +521,16 @@ def abstract_state(state, shardings=None):
                             f"{type(leaf).__name__} ({leaf!r}), not an array; keep arrays in the state (e.g. "
                             "jnp.asarray(step)), so it restores with a shape, dtype and sharding.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
+        if sharding is None and isinstance(leaf, np.ndarray):
+            return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     if shardings is None:
         return jax.tree_util.tree_map_with_path(one, state)
     return jax.tree_util.tree_map_with_path(one, state, shardings)
+
+
+_restore_called_in_process = False  # by any checkpointer: a loop may restore through another than it saves with
 
 
 class JaxCheckpointer:
@@ -660,7 +688,6 @@ class JaxCheckpointer:
                 if _sync.process_index() == 0:
                     values = combine_checksums([json.loads(s) for s in shares])
                     _write_json(pending.location, CHECKSUMS_FILE, {"paths": pending.paths, "values": values})
-            self._drop_adopted_before(pending.step)
         except BaseException as exc:
             pending.error = exc
             raise
@@ -696,6 +723,8 @@ class JaxCheckpointer:
                 raise CheckpointCorruptError(f"Orbax reported {pending.location.uri} committed, but it is not there.")
             if _sync.process_index() == 0 and pending.checksums is not None and not _exists(pending.location, CHECKSUMS_FILE):
                 raise CheckpointCorruptError(f"{pending.location.uri} has no {CHECKSUMS_FILE} after its save finished.")
+            # Checked complete, so a stop from here on finds this save to adopt in place of the older ones.
+            self._drop_adopted_before(pending.step)
             return checkpoint
 
         return upload
@@ -733,7 +762,7 @@ class JaxCheckpointer:
             if wait:
                 self.wait(registered=True)
             return self.location.child(self._name(step)).uri
-        if self._last_saved_step is None and not self._restore_called:
+        if self._last_saved_step is None and not (self._restore_called or _restore_called_in_process):
             self._warn_if_starting_over(step)
         name = self._name(step)
         location = self.location.child(name)
@@ -901,8 +930,9 @@ class JaxCheckpointer:
         than every registered checkpoint (its run stopped before Ray registered it) is restored from instead. `partial=True` reads
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
+        global _restore_called_in_process
         _check_target_shardings(target)
-        self._restore_called = True
+        self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
         if restored is not None and self._last_saved_step is not None:
             # A mid-run rollback: the steps after it are saved again, as new checkpoints. With the old name token a
@@ -925,14 +955,16 @@ class JaxCheckpointer:
         reported = self._reported_locations() if (fallback or cleanup) else []
         known = (reported or []) + ([_location_of(latest)] if latest is not None else [])
         # Only with Ray's list in hand: without it every registered checkpoint would look unregistered.
-        adopted = self._finished_unregistered(known) if cleanup and reported is not None else []
-        self._adopted = list(adopted)
-        if cleanup and reported is not None and _sync.process_index() == 0:
-            self._remove_orphans(known + adopted)
+        adopted = []
+        if cleanup and reported is not None:
+            adopted = self._adopted = self._finished_unregistered(known)
+            if _sync.process_index() == 0:
+                self._remove_orphans(known + adopted)
         candidates = [] if latest is None else [_location_of(latest)]
         if fallback and candidates:
             candidates += [loc for loc in (reported or []) if loc.fs_path != candidates[0].fs_path]
-        candidates = (adopted if fallback else adopted[:1]) + (candidates if fallback or not adopted else [])
+        # Without fallback too, Ray's latest stays behind an adopted save: it was the answer before adoption.
+        candidates = (adopted if fallback else adopted[:1]) + candidates
         candidates = self._agree_on(candidates, listed=reported is not None)
         if not candidates:
             return None
@@ -972,8 +1004,8 @@ class JaxCheckpointer:
         their commit and Ray's registration (`ray job stop` ends the driver, and with it Ray's controller, while
         the workers' saves complete). Complete and checksummed, they are the run's latest progress; deleting them
         as orphans lost up to `save_every` steps."""
-        adopted = finished_after(self.location, max((_step_of(loc) for loc in known), default=-1))
-        if adopted:
+        adopted = finished_after(self.location, max(known, key=_step_of, default=None))
+        if adopted and _sync.process_index() == 0:
             logger.warning(
                 "Found %d finished checkpoint(s) newer than the last one Ray registered (the run stopped between a "
                 "save and its registration); resuming from the newest, %s.", len(adopted), adopted[0].uri)

@@ -108,11 +108,11 @@ def _resolve(source: str):
             latest = Result.from_path(where + query).checkpoint
         finally:
             manager_log.setLevel(level)
-        from ray_jax_train.checkpoint.core import _location_of, _step_of, finished_after
+        from ray_jax_train.checkpoint.core import _location_of, finished_after
 
         # A save that finished after the run was stopped, before Ray registered it: the run's newest state, and
         # the one its next start resumes from.
-        newer = finished_after(_location_of(where + query), _step_of(_location_of(latest)) if latest else -1)
+        newer = finished_after(_location_of(where + query), _location_of(latest) if latest else None)
         name = newer[0].fs_path if newer else latest.path if latest else None
         if name is None:
             raise FileNotFoundError(f"The run {source} registered no checkpoint (training.save_steps saves them); "

@@ -132,7 +132,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                            "one_all_reduce_over": one_all_reduce_axes(mesh, jax.tree.map(lambda a: a.sharding,
                                                                                          abstract))})
     recorder.params("initial_params" if step == 0 else f"resumed_params_{step}", state["params"])
-    recorder.json("logging", {"train_reports_at_info": _train_logs_each_report()})
+    if recorder.path:
+        recorder.json("logging", {"train_reports_at_info": _train_logs_each_report()})
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
     train_step = _with_mesh(mesh, step_fn)
