@@ -104,6 +104,10 @@ def _quiet(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     for name in _NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
+    from ray_jax_train.quiet import DATA_TASK_ERROR_LOGGERS
+
+    for name in DATA_TASK_ERROR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _connect(config, address: Optional[str], verbose: bool):
@@ -172,7 +176,7 @@ def _warn_if_in_ray_package_cache(path: str) -> None:
 
 
 def cmd_fit(args) -> int:
-    from ray_jax_train.run_config import ConfigError, build_trainer, check_cluster_fits, load_config
+    from ray_jax_train.run_config import ConfigError, build_trainer, check_cluster_fits, load_config, read_error
 
     config = load_config(args.config, args.overrides)
     _connect(config, args.address, args.verbose)
@@ -189,12 +193,15 @@ def cmd_fit(args) -> int:
             # e.g. a storage_path it may not write, or a bucket without credentials: was a traceback, exit 1
             raise ConfigError(f"{exc} (check run.storage_path and the data and tokenizer paths: the driver could "
                               "not read or write them)") from None
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(read_error(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
     _warn_if_in_ray_package_cache(info["run_dir"])
     try:
         result = trainer.fit()
+    except KeyboardInterrupt:  # exit 130 in main; the run resumes from its latest checkpoint
+        print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}", file=sys.stderr)
+        raise
     except Exception as exc:  # the run failed after it started: exit 1, not 2
         return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]))
     _summary(args, result, info, started)

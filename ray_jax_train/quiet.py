@@ -17,6 +17,8 @@ QUIET_ENV = {
     # environment variable RAY_BACKEND_LOG_LEVEL" line per process it starts, logged before the level applies.
     "RAY_BACKEND_LOG_LEVEL": "fatal",
 }
+# Ray Data logs a failed task's whole traceback at ERROR (twice), then raises it: the error, once, is ours to report.
+DATA_TASK_ERROR_LOGGERS = ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 
@@ -78,3 +80,5 @@ def quiet_driver() -> None:
     quiet_data_context()
     for name in ("ray.data", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in DATA_TASK_ERROR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)

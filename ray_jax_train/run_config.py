@@ -23,7 +23,7 @@ import math
 import os
 import re
 import typing
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
@@ -110,10 +110,17 @@ class DataSection(_Section):
     _expand = field_validator("source", "eval_source", mode="before")(lambda cls, value: _expand_user(value))
 
     def paths(self, which: str = "source") -> List[str]:
+        """The files (or directories, or URIs) of `which`; local glob patterns (`data/*.jsonl`) expanded, sorted."""
+        import glob
+
         value = getattr(self, which)
         if value is None or value == "stdlib":
             return []
-        return [value] if isinstance(value, str) else list(value)
+        out = []
+        for path in [value] if isinstance(value, str) else list(value):
+            matches = sorted(glob.glob(path)) if glob.has_magic(path) and not is_uri(path) else []
+            out.extend(matches or [path])
+        return out
 
 
 class TokenizerSection(_Section):
@@ -252,8 +259,15 @@ class ExperimentConfig(_Section):
         for which in ("source", "eval_source"):
             for path in self.data.paths(which):
                 if not is_uri(path) and not os.path.exists(path):  # a URI is looked up when the data is read
-                    raise ConfigError(f"data.{which}: file {path!r} does not exist (relative paths are read from "
+                    import glob
+
+                    what = "the pattern matches no file" if glob.has_magic(path) else "file does not exist"
+                    raise ConfigError(f"data.{which}: {path!r}: {what} (relative paths are read from "
                                      f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
+        if self.data.eval_fraction and self.data.paths() and self.data.eval_source is None:
+            raise ConfigError("data.eval_fraction holds out part of the built-in stdlib corpus only, and data.source "
+                              "is files, so nothing would be held out and no eval would run. Give the held-out rows "
+                              "as data.eval_source (a file, a directory or a list of files)")
         if self.tokenizer.path is not None and not is_uri(self.tokenizer.path) and not os.path.isdir(self.tokenizer.path):
             raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
                              "tokenizer directory, or null to train one at run time")
@@ -701,25 +715,61 @@ def dump(config: ExperimentConfig) -> str:
 
 
 def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[str]:
-    """Texts to train a tokenizer on: the stdlib corpus, or the `text` column of the local data files."""
+    """Texts to train a tokenizer on: the stdlib corpus, or the first `data.max_docs` rows of the data files: their
+    text column, or their conversations' message contents (a messages column wins, as in training)."""
     from ray_jax_train.text import load_text_dataset, local_corpus
+    from ray_jax_train.text.errors import TextDataError
+    from ray_jax_train.text.sources import resolve_column
 
     limit = limit or config.data.max_docs
     if not config.data.paths():
         return list(local_corpus(kind=config.data.kind, max_docs=limit))
-    column = config.training.get("text_column", "text")
-    rows = load_text_dataset(config.data.paths()).take(limit)
-    texts = [row[column] for row in rows if isinstance(row.get(column), str) and row[column]]
+    text_column = config.training.get("text_column", "text")
+    messages_column = config.training.get("messages_column", "messages")
+    try:
+        rows = load_text_dataset(config.data.paths()).take(limit)
+    except Exception as exc:
+        paths = config.data.paths()
+        raise ConfigError(f"data.source ({', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}) could not be "
+                          f"read: {read_error(exc)}") from None
+    if not rows:
+        raise ConfigError("data.source has no rows, so there is nothing to train a tokenizer on")
+    columns = sorted({name for row in rows for name in row})
+    try:
+        kind, column = resolve_column(columns, text_column, messages_column) or ("text", text_column)
+    except TextDataError:  # neither column: said below, with the keys to set
+        kind, column = "text", text_column
+    texts = []
+    for row in rows:
+        value = row.get(column)
+        if kind == "messages" and value is not None:
+            value = "\n".join(m.get("content") for m in list(value)
+                              if isinstance(m, Mapping) and isinstance(m.get("content"), str))
+        if isinstance(value, str) and value:
+            texts.append(value)
     if not texts:
-        if not rows:
-            raise ConfigError("data.source has no rows, so there is nothing to train a tokenizer on")
-        columns = sorted({name for row in rows for name in row})
         found = (f"has no column {column!r} (its columns are {columns})" if column not in columns else
-                 f"has no non-empty {column!r} text in its first {len(rows)} rows")
+                 f"has no non-empty {column!r} {'conversation' if kind == 'messages' else 'text'} in its first "
+                 f"{len(rows)} rows")
         raise ConfigError(f"data.source {found}, so there is nothing to train a tokenizer on. Set "
-                          "training.text_column to the column that holds the text, or tokenizer.path to a tokenizer "
-                          "directory (then none is trained)")
+                          "training.text_column (or training.messages_column, for conversations) to the column that "
+                          "holds the data, or tokenizer.path to a tokenizer directory (then none is trained)")
     return texts
+
+
+def read_error(exc: BaseException) -> str:
+    """What went wrong in a Ray Data task (reading or tokenising), without Ray's traceback around it: its last line
+    names the cause. A file that does not parse as its extension says gets the formats named."""
+    import ray.exceptions
+
+    if not isinstance(exc, ray.exceptions.RayTaskError):
+        return str(exc)
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    cause = lines[-1] if lines else type(exc).__name__
+    if any(word in cause for word in ("decode", "Decode", "JSON", "parse", "Parse", "ArrowInvalid")):
+        cause += (". Check that every file is UTF-8 text (.txt: one document per line), JSON lines (.jsonl: one JSON "
+                  "object per line), Parquet or CSV, as its extension says")
+    return cause
 
 
 def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:

@@ -93,10 +93,35 @@ class JaxTrainer(DataParallelTrainer):
         return self.backend_config
 
     def fit(self):
+        """Ray's `fit`; Ctrl-C raises KeyboardInterrupt once Ray has aborted the run, as in any Python program.
+
+        Ray's own SIGINT handler aborts the run and then ends in `sys.exit(0)` (the process exits 1) or in the
+        controller's death, so a script or the CLI could not tell an interrupt from a failure."""
         if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
             ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
-        with _fast_report_polling():
-            return super().fit()
+        self._interrupted = False
+        try:
+            with _fast_report_polling():
+                result = super().fit()
+        except (Exception, SystemExit) as exc:
+            if self._interrupted:
+                raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run") from exc
+            raise
+        if self._interrupted:
+            raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run")
+        return result
+
+    def _register_sigint_handler(self, controller):
+        import signal
+
+        super()._register_sigint_handler(controller)
+        ray_handler = signal.getsignal(signal.SIGINT)
+
+        def note_then_abort(signum, frame):
+            self._interrupted = True
+            ray_handler(signum, frame)
+
+        signal.signal(signal.SIGINT, note_then_abort)
 
     def _create_default_callbacks(self):
         return _without_blind_cleaner(super()._create_default_callbacks())

@@ -449,3 +449,31 @@ def test_quiet_workers_silence_ray_loggers_named_by_file_path():
         for logger in loggers():  # other tests read these loggers' INFO lines
             logger.setLevel(saved.get(logger, logging.NOTSET))
         absl_logging.set_verbosity(verbosity)
+
+
+def test_ctrl_c_during_fit_exits_130_with_the_resume_command(tmp_path):
+    """Ray Train's SIGINT handler aborted the run and ended in sys.exit(0), which left the process with exit 1 and
+    no word; the README promises 130, "interrupted" and the command that resumes."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "ray_jax_train", "fit", TINY, "--address", "local", "--set", "run.name=sigint",
+               "--set", f"run.storage_path={tmp_path}", "--set", "training.total_steps=5000",
+               "--set", "training.log_steps=2", "--set", "data.max_docs=30"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = tmp_path / "fit.log"
+    started = time.time()
+    with open(log, "w") as out:
+        fit = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        try:
+            while not (tmp_path / "sigint" / "metrics.jsonl").exists():
+                assert fit.poll() is None, log.read_text()[-5000:]
+                assert time.time() - started < 240, log.read_text()[-5000:]
+                time.sleep(0.2)
+            fit.send_signal(signal.SIGINT)
+            assert fit.wait(timeout=120) == 130, log.read_text()[-5000:]
+        finally:
+            if fit.poll() is None:
+                fit.kill()
+    text = log.read_text()
+    assert "ray-jax-train: interrupted" in text and "resume:" in text and "run.name=sigint" in text, text[-3000:]

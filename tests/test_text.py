@@ -523,3 +523,37 @@ def test_special_token_text_inside_a_document_stays_text(tokenizer):
     doc = encode_texts(tokenizer, [f"see {tokenizer.eos_token} here"])[0].tolist()
     # Before: the literal "<|eos|>" became a real eos mid-document, with no segment boundary after it.
     assert doc.count(tokenizer.eos_token_id) == 1 and doc[-1] == tokenizer.eos_token_id
+
+
+def test_data_that_would_train_wrongly_is_refused_on_the_driver(ray_cluster, tokenizer, tmp_path):
+    """Found by a user bringing their own data: ShareGPT roles trained as literal text (a "gpt" answer got no
+    loss token), a non-text column failed only inside the tokenising actors, and an unreadable file or one of
+    another format gave a page of Ray traceback. The CLI's tokenizer corpus now reads conversations too."""
+    import ray
+
+    from ray_jax_train.run_config import ConfigError, corpus_texts, parse_config
+
+    sharegpt = [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]
+    with pytest.raises(TextDataError, match=r"role 'human', which the chat template does not know.*'human' -> 'user'"):
+        tokenize_and_pack(ray.data.from_items([{"messages": sharegpt}]), tokenizer, 16)
+    with pytest.raises(TextDataError, match=r"role 'Assistant'.*'Assistant' -> 'assistant'"):
+        encode_chats(tokenizer, [[{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "yo"}]])
+    with pytest.raises(TextDataError, match=r"column 'text' holds list values.*training\.messages_column"):
+        tokenize_and_pack(ray.data.from_items([{"text": CHAT}]), tokenizer, 16)
+    with pytest.raises(TextDataError, match=r"column 'text' holds int values.*training\.text_column"):
+        tokenize_and_pack(ray.data.from_items([{"text": 7}]), tokenizer, 16)
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(3)))
+    config = parse_config({"data": {"source": str(tmp_path / "*.jsonl")}})
+    assert config.data.paths() == [str(chats)]  # a glob, expanded
+    texts = corpus_texts(config)
+    assert len(texts) == 3 and all(m["content"] in texts[0] for m in CHAT)
+    with pytest.raises(ConfigError, match="pattern matches no file"):
+        parse_config({"data": {"source": str(tmp_path / "*.parquet")}})
+    with pytest.raises(ConfigError, match=r"data.eval_fraction holds out part of the built-in stdlib corpus only.*"
+                                          r"data.eval_source"):
+        parse_config({"data": {"source": str(chats), "eval_fraction": 0.1}})
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.txt\) could not be read: UnicodeDecodeError.*UTF-8 text"):
+        corpus_texts(parse_config({"data": {"source": str(tmp_path / "latin1.txt")}}))

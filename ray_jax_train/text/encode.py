@@ -64,6 +64,35 @@ def _check_no_special_token_text(tokenizer, conversations) -> None:
                     f"dataset.filter) before training. Content: {content[:120]!r}")
 
 
+# Roles every chat template is expected to know, whether or not its source spells them out (Llama 3's prints
+# message['role'] between header tokens).
+STANDARD_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+
+
+def check_roles(tokenizer, conversations) -> None:
+    """Refuse a role the chat template cannot know. Templates print an unknown role as text or skip its turn:
+    ShareGPT's "human"/"gpt" trained as literal prompt text, and a "gpt" answer got no loss token, silently."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    specials = set(_special_token_texts(tokenizer))
+    for conv in conversations:
+        for i, message in enumerate(conv):
+            role = message.get("role") if isinstance(message, Mapping) else None
+            if not isinstance(role, str):
+                raise TextDataError(f"message {i} of a conversation has no string 'role' ({message!r:.120}): each "
+                                    "message needs a role ('system', 'user' or 'assistant') and a 'content'.")
+            if role in STANDARD_ROLES or f"<|{role}|>" in specials or repr(role) in template \
+                    or f'"{role}"' in template:
+                continue
+            hint = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+                    **{r: r for r in STANDARD_ROLES}}.get(role.lower())
+            raise TextDataError(
+                f"message {i} of a conversation has role {role!r}, which the chat template does not know: it would be "
+                f"rendered as plain text (or its turn dropped), and "
+                f"{'its answers get no loss' if hint == 'assistant' else 'the model learns from mislabelled turns'}. "
+                f"Map the roles to {', '.join(repr(r) for r in STANDARD_ROLES[:3])}"
+                f"{f' ({role!r} -> {hint!r})' if hint else ''} before training, e.g. with dataset.map.")
+
+
 def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]],
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Render each conversation with the chat template; label mask = the assistant-token mask.
@@ -77,6 +106,7 @@ def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]]
     if not conversations:
         return docs, masks
     convs = [[_clean_message(m) for m in conv] for conv in conversations]
+    check_roles(tokenizer, convs)
     _check_no_special_token_text(tokenizer, convs)
     try:
         out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .encode import encode_chats, encode_texts
-from .errors import EmptyDatasetError, MissingColumnError
+from .encode import check_roles, encode_chats, encode_texts
+from .errors import EmptyDatasetError, MissingColumnError, TextDataError
 from .packing import pack_documents
 from .sources import extract_column_names, load_text_dataset, resolve_column
 from .tokenizer import check_chat_template, ensure_pad_token, load_tokenizer
@@ -127,6 +127,9 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
                              messages_column=messages_column)
     if kind == "messages":
         check_chat_template(tok)
+    if check_not_empty and resolved:
+        _check_first_document(dataset, first[0], tok, resolved, text_column=text_column,
+                              messages_column=messages_column)
     # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
     # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
     # constructor args (keeping actor restarts possible) instead of resolving it.
@@ -159,6 +162,34 @@ def _check_some_document(dataset, first_row: Mapping[str, Any], columns: list[st
         f"no row has {what} in column {column!r} (the dataset's columns are {columns}), so there is nothing to "
         f"train on. If it is in another column, name that column with training.{kind}_column in the config "
         f"({kind}_column=... in Python); otherwise fill the {column!r} column or use other data.")
+
+
+def _check_first_document(dataset, first_row: Mapping[str, Any], tokenizer, resolved: tuple[str, str],
+                          **names) -> None:
+    """The first document's type (and a conversation's roles) on the driver: a wrong column failed only in the
+    tokenising actors, after the workers had started, naming no column."""
+    kind, column = resolved
+    row = first_row if _has_document(first_row, **names) else dataset.filter(
+        lambda r: _has_document(r, **names)).take(1)[0]
+    value = row.get(column)
+    if not _filled(value):  # this row's document is in the other column (a file mixing both kinds)
+        return
+    if kind == "text" and not isinstance(value, str):
+        looks_like_chat = isinstance(value, (list, tuple)) or hasattr(value, "tolist")
+        raise TextDataError(
+            f"column {column!r} holds {type(value).__name__} values ({value!r:.80}), not text. "
+            + ("If it holds conversations, name it with training.messages_column in the config (messages_column=... "
+               "in Python)." if looks_like_chat else
+               "Name the column that holds the text with training.text_column in the config (text_column=... in "
+               "Python)."))
+    if kind == "messages":
+        conversation = value.tolist() if hasattr(value, "tolist") else value
+        if not isinstance(conversation, (list, tuple)) or not all(isinstance(m, Mapping) for m in conversation):
+            raise TextDataError(
+                f"column {column!r} holds {type(value).__name__} values ({value!r:.80}), not conversations (lists of "
+                "{'role': ..., 'content': ...}). If it holds text, name it with training.text_column in the config "
+                "(text_column=... in Python).")
+        check_roles(tokenizer, [conversation])
 
 
 def build_lm_dataset(source, tokenizer, seq_len: int, *, format: str | None = None, **kwargs):
