@@ -230,14 +230,19 @@ def _summary(args, result, info, started: float) -> None:
 
     run_dir = info["run_dir"]
     try:
-        records = [r for r in read_records(run_dir) if "loss" in r]
+        everything = read_records(run_dir)
     except FileNotFoundError:
-        records = []
+        everything = []
+    records = [r for r in everything if "loss" in r]
+    evals = [r for r in everything if "eval_loss" in r]
     lines = ["", "=== ray-jax-train: done ===", f"run:         {info['name']} ({time.time() - started:.0f}s)"]
     if records:
         first, last = records[0], records[-1]
         lines.append(f"train loss:  {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} "
                      f"(step {last['step']}); {last.get('tokens_per_s', 0):.0f} tokens/s")
+    if evals:
+        lines.append(f"eval loss:   {evals[0]['eval_loss']:.3f} (step {evals[0]['step']}) -> "
+                     f"{evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
     lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     if result.checkpoint is not None:
         kept = len(getattr(result, "best_checkpoints", None) or [])

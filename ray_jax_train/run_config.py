@@ -264,10 +264,7 @@ class ExperimentConfig(_Section):
                     what = "the pattern matches no file" if glob.has_magic(path) else "file does not exist"
                     raise ConfigError(f"data.{which}: {path!r}: {what} (relative paths are read from "
                                      f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
-        if self.data.eval_fraction and self.data.paths() and self.data.eval_source is None:
-            raise ConfigError("data.eval_fraction holds out part of the built-in stdlib corpus only, and data.source "
-                              "is files, so nothing would be held out and no eval would run. Give the held-out rows "
-                              "as data.eval_source (a file, a directory or a list of files)")
+
         if self.tokenizer.path is not None and not is_uri(self.tokenizer.path) and not os.path.isdir(self.tokenizer.path):
             raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
                              "tokenizer directory, or null to train one at run time")
@@ -403,7 +400,9 @@ class ExperimentConfig(_Section):
         """Whether `_datasets` gives an eval set: eval_source, or (stdlib) a fraction that holds a document."""
         if self.data.eval_source is not None:
             return True
-        return not self.data.paths() and int(self.data.max_docs * self.data.eval_fraction) >= 1
+        if self.data.paths():  # the files' rows are counted when they are read
+            return self.data.eval_fraction > 0
+        return int(self.data.max_docs * self.data.eval_fraction) >= 1
 
     def _check_tune_metric(self) -> None:
         """Tune stops the whole search at the first report without its metric: a typo, or eval_* without eval
@@ -893,14 +892,38 @@ def _datasets(config: ExperimentConfig):
     from ray_jax_train.text import local_corpus
 
     if config.data.paths():
-        train, evaluation = config.data.paths(), config.data.paths("eval_source") or None
-        return train, evaluation
+        if config.data.eval_source is None and config.data.eval_fraction > 0:
+            return _split_files(config.data.paths(), config.data.eval_fraction)
+        return config.data.paths(), config.data.paths("eval_source") or None
     texts = list(local_corpus(kind=config.data.kind, max_docs=config.data.max_docs))
     n_eval = int(len(texts) * config.data.eval_fraction)
     rows = [{"text": t} for t in texts]
     if config.data.eval_source is not None:
         return rows, config.data.paths("eval_source") or [{"text": t} for t in texts[: max(1, len(texts) // 20)]]
     return rows[n_eval:], (rows[:n_eval] or None)
+
+
+def _split_files(paths: List[str], fraction: float):
+    """(train, eval) Ray datasets: the files' first `fraction` of rows held out, as for the stdlib corpus. Read in
+    file order and kept in the object store, so every start (a resume, each Tune trial) holds out the same rows."""
+    import ray.data
+
+    from ray_jax_train.text import load_text_dataset
+
+    options = ray.data.DataContext.get_current().execution_options
+    keep, options.preserve_order = options.preserve_order, True
+    try:
+        rows = load_text_dataset(paths).materialize()
+    finally:
+        options.preserve_order = keep
+    n_eval = int(rows.count() * fraction)
+    if n_eval < 1:
+        logging.getLogger(__name__).warning(
+            "data.eval_fraction=%s of the %d rows of data.source holds out no row: no eval runs. Raise it, or give "
+            "data.eval_source.", fraction, rows.count())
+        return rows, None
+    evaluation, train = rows.split_at_indices([n_eval])
+    return train, evaluation
 
 
 def jax_config_for(scaling: ScalingSection):

@@ -551,9 +551,16 @@ def test_data_that_would_train_wrongly_is_refused_on_the_driver(ray_cluster, tok
     assert len(texts) == 3 and all(m["content"] in texts[0] for m in CHAT)
     with pytest.raises(ConfigError, match="pattern matches no file"):
         parse_config({"data": {"source": str(tmp_path / "*.parquet")}})
-    with pytest.raises(ConfigError, match=r"data.eval_fraction holds out part of the built-in stdlib corpus only.*"
-                                          r"data.eval_source"):
-        parse_config({"data": {"source": str(chats), "eval_fraction": 0.1}})
+    # eval_fraction of file data holds out its first rows (it was ignored: no eval, every row trained on).
+    from ray_jax_train.run_config import _datasets
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(f"document {i}" for i in range(20)))
+    config = parse_config({"data": {"source": str(lines), "eval_fraction": 0.2}})
+    assert config.has_eval_data()
+    train, evaluation = _datasets(config)
+    assert [r["text"] for r in evaluation.take_all()] == [f"document {i}" for i in range(4)]
+    assert [r["text"] for r in train.take_all()] == [f"document {i}" for i in range(4, 20)]
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin1.txt\) could not be read: UnicodeDecodeError.*UTF-8 text"):
         corpus_texts(parse_config({"data": {"source": str(tmp_path / "latin1.txt")}}))
