@@ -640,3 +640,12 @@ def test_data_with_no_token_to_learn_stops_the_run_and_its_retries(ray_cluster, 
     assert "NoLossTokensError" in str(failed.value)
     records = [json.loads(line) for line in (tmp_path / "nothing" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4] and {r["loss_tokens"] for r in records} == {0.0}
+    # Where the driver holds the rows anyway (materialized, as the CLI and Tune trials do), it says so at once.
+    from ray_jax_train.lm import NoLossTokensError
+    from ray_jax_train.lm.data import prepare_lm_datasets
+
+    with pytest.raises(NoLossTokensError, match="data.source: no token of any row counts for the loss"):
+        prepare_lm_datasets(dataset, None, None, args, materialize=True, names=("data.source", "data.eval_source"))
+    rows["loss_mask"][-1, -1] = 1  # one token to learn is enough to pass
+    one = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    prepare_lm_datasets(one, None, None, args, materialize=True)

@@ -102,11 +102,28 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
         if isinstance(datasets["train"], MaterializedDataset):  # counted for free: too little fails here,
             args.steps_for_rows(datasets["train"].count())               # not in the workers after compiling
     _check_eval_rows(datasets.get("eval"), args, names[1])
+    if isinstance(datasets["train"], MaterializedDataset) and not _loss_tokens(datasets["train"]):
+        from ray_jax_train.lm.loop import NoLossTokensError
+
+        raise NoLossTokensError(f"{names[0]}: no token of any row counts for the loss (loss_mask is 0 everywhere), so "
+                                "the model would learn nothing. Chat data needs assistant turns with content (only "
+                                "their tokens are trained on); pre-tokenised rows need loss_mask 1 on the tokens to "
+                                "learn.")
     if args.warmup_steps > total_steps:
         raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
                          "warmup_steps or train longer.")
     args.check_profile_window(total_steps)
     return datasets, columns, total_steps
+
+
+def _loss_tokens(dataset) -> int:
+    """Tokens counted for the loss in a materialized dataset: one pass of Ray Data tasks over the object store,
+    which tells on the driver what the loop would otherwise find only after 20 steps."""
+    import numpy as np
+
+    counts = dataset.map_batches(lambda rows: {"n": [int(np.count_nonzero(_flat(rows["loss_mask"])))]},
+                                 batch_format="numpy", zero_copy_batch=True)
+    return sum(int(row["n"]) for row in counts.take_all())
 
 
 def check_tokenizer_fits(tokenizer, vocab_size: int) -> None:
