@@ -3,6 +3,7 @@ buries a training log. The CLI is quiet unless --verbose; the Python trainer unl
 errors always show."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Dict
 
@@ -73,12 +74,27 @@ def quiet_run_settings() -> Dict[str, Any]:
     return {"logging_config": LoggingConfig(log_level="WARNING"), "worker_runtime_env": {"env_vars": env}}
 
 
-def quiet_driver() -> None:
-    """This process's Ray Data banners and Ray's INFO lines off (a training script's own logging stays)."""
+@contextlib.contextmanager
+def quiet_driver(enabled: bool = True):
+    """Within it, this process's Ray Data banners and Ray's INFO lines are off; they are as they were after it (a
+    training script's own settings and logging stay its own)."""
     import logging
 
+    import ray.data
+
+    if not enabled:
+        yield
+        return
+    context = ray.data.DataContext.get_current()
+    saved_context = (context.enable_progress_bars, context.print_on_execution_start)
+    names = ("ray.data", "ray.train", "ray.tune") + DATA_TASK_ERROR_LOGGERS
+    saved_levels = {name: logging.getLogger(name).level for name in names}
     quiet_data_context()
-    for name in ("ray.data", "ray.train", "ray.tune"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for name in DATA_TASK_ERROR_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL if name in DATA_TASK_ERROR_LOGGERS else logging.WARNING)
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, context.print_on_execution_start = saved_context
+        for name, level in saved_levels.items():
+            logging.getLogger(name).setLevel(level)

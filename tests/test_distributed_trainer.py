@@ -83,7 +83,13 @@ def scratch_run(ray_cluster, tokenizer_dir, tmp_path_factory):
                              output_dir=str(tmp / "runs"), run_name="scratch", progress_bar=False,
                              profile_start_step=3, profile_num_steps=2,
                              mesh={"dp": -1})  # the CLI's default; fsdp across workers: tests/test_lm_loop.py
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = context.enable_progress_bars
     result = trainer.train(1, args, sentences(300), dataset_eval=sentences(20, seed=1))
+    # Quiet for its own work only: the script's Ray Data settings are as they were.
+    (tmp / "record" / "driver_context.json").write_text(json.dumps([before, context.enable_progress_bars]))
     return trainer, result, tmp / "record"
 
 
@@ -102,6 +108,8 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     assert losses[-1] < 0.6 * losses[0], losses
     # Quiet by default, as under the CLI: no "Reporting training result ..." line per report from each worker.
     assert json.loads((record / "logging.json").read_text()) == {"train_reports_at_info": False}
+    before, after = json.loads((record / "driver_context.json").read_text())
+    assert before == after
     # dp over two CPU processes: the gradients were summed in one flat gloo all-reduce (lm.step.one_all_reduce_axes)
     assert json.loads((record / "mesh.json").read_text())["one_all_reduce_over"] == ["dp"]
     evals = [r for r in records if "eval_loss" in r]

@@ -322,33 +322,32 @@ class RayDistributedTrainer:
             given = ray.get(init["ref"])["params"]
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
 
-        if not verbose:
-            quiet_driver()
-        tokenizer = self._maybe_tokenizer()
-        datasets, columns, total_steps = prepare_lm_datasets(
-            dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
-            max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
+        with quiet_driver(not verbose):
+            tokenizer = self._maybe_tokenizer()
+            datasets, columns, total_steps = prepare_lm_datasets(
+                dataset_train, dataset_eval, tokenizer, args, data_collator=data_collator,
+                max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
 
-        run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
-        trainer = JaxTrainer(
-            train_loop_per_worker if verbose else quiet_train_loop,
-            train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
-                                          tokenizer=tokenizer,
-                                          **self._extra_loop_config),
-            scaling_config=scaling_config,
-            jax_config=with_trace_flags(JaxConfig(num_cpu_devices=args.num_cpu_devices), args),
-            run_config=RunConfig(
-                name=run_name,
-                storage_path=absolute(args.output_dir) if args.output_dir else None,
-                checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
-                failure_config=FailureConfig(max_failures=args.max_failures),
-                **({} if verbose else quiet_run_settings()),
-            ),
-            datasets=datasets,
-        )
-        result = trainer.fit()
-        self.last_result = result
-        return result
+            run_name = args.run_name or f"{self.model_type}-x{scaling_index}-{time.strftime('%Y%m%d-%H%M%S')}"
+            trainer = JaxTrainer(
+                train_loop_per_worker if verbose else quiet_train_loop,
+                train_loop_config=loop_config(args, config, total_steps, init, columns, "eval" in datasets,
+                                              tokenizer=tokenizer,
+                                              **self._extra_loop_config),
+                scaling_config=scaling_config,
+                jax_config=with_trace_flags(JaxConfig(num_cpu_devices=args.num_cpu_devices), args),
+                run_config=RunConfig(
+                    name=run_name,
+                    storage_path=absolute(args.output_dir) if args.output_dir else None,
+                    checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
+                    failure_config=FailureConfig(max_failures=args.max_failures),
+                    **({} if verbose else quiet_run_settings()),
+                ),
+                datasets=datasets,
+            )
+            result = trainer.fit()
+            self.last_result = result
+            return result
 
     # Extra keys merged into the loop config (tests set {"record_dir": ...}).
     _extra_loop_config: Dict[str, Any] = {}
