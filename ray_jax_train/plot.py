@@ -37,6 +37,11 @@ def read_records(run_dir: str) -> List[Dict]:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
                                 f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)") from None
+    return parse_records(text)
+
+
+def parse_records(text: str) -> List[Dict]:
+    """The step records of a metrics.jsonl's text, the latest attempt's record of each step."""
     records: List[Dict] = []
     for line in text.splitlines():
         try:

@@ -273,7 +273,8 @@ class RayDistributedTrainer:
         """Train on Ray workers and return Ray's `Result` (outputs under `result.path`).
 
         Starting weights, first match wins: `state`, then `model`, then the trainer's `checkpoint_path`, then a
-        new model at `scaling_index`. Under `result.path`: `metrics.jsonl` (one record per log/eval step),
+        new model at `scaling_index`. `result.metrics` is the latest checkpoint's metrics, or, in a run that saved
+        none, the last logged step's record (Ray leaves it None). Under `result.path`: `metrics.jsonl` (one record per log/eval step),
         `final_model/` (HF safetensors + tokenizer) and the checkpoints. Ray, Ray Data, JAX and orbax log only
         warnings, as under the CLI, unless `verbose` (then also Train's line per report and orbax's per save).
         """
@@ -283,6 +284,7 @@ class RayDistributedTrainer:
         from ray_jax_train.lm import state as state_lib
         from ray_jax_train.lm.data import prepare_lm_datasets
         from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
+        from ray_jax_train.lm.metrics import with_final_metrics
         from ray_jax_train.trainer import JaxTrainer, ensure_ray_leaves_cpu_for_data
 
         from ray_jax_train.quiet import quiet_driver, quiet_run_settings, quiet_train_loop
@@ -345,7 +347,7 @@ class RayDistributedTrainer:
                 ),
                 datasets=datasets,
             )
-            result = trainer.fit()
+            result = with_final_metrics(trainer.fit())
             self.last_result = result
             return result
 

@@ -157,3 +157,23 @@ def read_metrics(run_dir) -> list:
         return read_records(os.fspath(run_dir))  # a local path or a storage URI
     except FileNotFoundError:
         return []
+
+
+def with_final_metrics(result):
+    """Ray's `Result` with `metrics` set to the last logged step's record where Train V2 left it None.
+
+    Train V2 takes `Result.metrics` from the latest checkpoint, so a run that saved none returned None although
+    its loop logged every step; the record comes from the run's metrics.jsonl, read through the result's own
+    filesystem (a local path or a bucket alike)."""
+    if result.metrics is not None or result.path is None:
+        return result
+    from ray_jax_train.plot import parse_records
+
+    try:
+        with result.filesystem.open_input_stream(f"{result.path}/metrics.jsonl") as stream:
+            records = parse_records(stream.read().decode("utf-8", errors="replace"))
+    except (FileNotFoundError, OSError):
+        return result
+    if records:
+        result.metrics = records[-1]
+    return result
