@@ -135,9 +135,10 @@ def _connect(config, address: Optional[str], verbose: bool):
     else:
         ray.init(address=address, **kwargs)
     if not verbose:
-        from ray_jax_train.quiet import quiet_data_context
+        from ray_jax_train.quiet import filter_worker_notices, quiet_data_context
 
         quiet_data_context()
+        filter_worker_notices()  # for the rest of this command
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray

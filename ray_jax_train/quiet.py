@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict
+import re
+from typing import Any, Callable, Dict
 
 QUIET_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "2",  # XLA/absl C++ info lines
@@ -20,6 +21,20 @@ QUIET_ENV = {
 }
 # Ray Data logs a failed task's whole traceback at ERROR (twice), then raises it: the error, once, is ours to report.
 DATA_TASK_ERROR_LOGGERS = ("ray.data._internal.execution.streaming_executor_state", "ray.data.exceptions")
+# Ray Data warns that its progress bars are off, which is what quiet_data_context asked for.
+PROGRESS_NOTICE_LOGGER = "ray.data._internal.progress"
+# Start-up lines that workers print whatever the log level, and that ask nothing of the user: Ray's announcement of
+# RAY_BACKEND_LOG_LEVEL (once per process), Ray Data's notice that the bars we turned off are off, and JAX's
+# coordinator address (an error names it where it matters).
+# Also Ray core's notice that an actor's constructor arguments are in the object store (Ray Data's and Train's own
+# actors), Ray Data's line per finished dataset run, gloo's connection count and a deprecation inside Ray Train.
+_NOTICE_LINES = re.compile(r"logging\.cc:\d+: Set ray log level from environment variable"
+                           r"|Progress bars disabled\. To enable, set"
+                           r"|(Starting|Connecting to) JAX distributed service on "
+                           r"|has constructor arguments in the object store and max_restarts > 0"
+                           r"|Dataset \S+ execution finished in [\d.]+ seconds"
+                           r"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
+                           r"|ExecutionOptions\.exclude_resources` is deprecated|self\.exclude_resources = exclude_res")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 
@@ -87,14 +102,47 @@ def quiet_driver(enabled: bool = True):
         return
     context = ray.data.DataContext.get_current()
     saved_context = (context.enable_progress_bars, context.print_on_execution_start)
-    names = ("ray.data", "ray.train", "ray.tune") + DATA_TASK_ERROR_LOGGERS
-    saved_levels = {name: logging.getLogger(name).level for name in names}
+    levels = {"ray.data": logging.WARNING, "ray.train": logging.WARNING, "ray.tune": logging.WARNING,
+              PROGRESS_NOTICE_LOGGER: logging.ERROR, **{name: logging.CRITICAL for name in DATA_TASK_ERROR_LOGGERS}}
+    saved_levels = {name: logging.getLogger(name).level for name in levels}
     quiet_data_context()
-    for name in names:
-        logging.getLogger(name).setLevel(logging.CRITICAL if name in DATA_TASK_ERROR_LOGGERS else logging.WARNING)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    unfilter = filter_worker_notices()
     try:
         yield
     finally:
+        unfilter()
         context.enable_progress_bars, context.print_on_execution_start = saved_context
         for name, level in saved_levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def filter_worker_notices() -> Callable[[], None]:
+    """Leave out of the workers' output that this driver prints the start-up lines that need no action (see
+    `_NOTICE_LINES`); the workers' log files keep them. Returns the undo. Ray must be up; without Ray's printing
+    handler (`log_to_driver=False`, or a Ray whose internals moved) nothing changes."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # pragma: no cover - a Ray that moved it
+        return lambda: None
+    with dispatcher._lock:
+        handlers = list(dispatcher.handlers)
+        index = next((i for i, (name, _) in enumerate(handlers) if name == "ray_print_logs"), None)
+        if index is None:
+            return lambda: None
+        name, original = handlers[index]
+
+        def print_but_notices(data):
+            lines = [line for line in data.get("lines", ()) if not _NOTICE_LINES.search(line)]
+            if lines:
+                original({**data, "lines": lines})
+
+        handlers[index] = (name, print_but_notices)
+        dispatcher.handlers = handlers
+
+    def undo() -> None:
+        with dispatcher._lock:
+            dispatcher.handlers = [(n, original if h is print_but_notices else h) for n, h in dispatcher.handlers]
+
+    return undo

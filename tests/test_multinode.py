@@ -154,6 +154,10 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
     assert [step for step, _ in scalars["eval_loss"]] == [4]
     # The summary tells the user where the checkpoints are and how to resume.
     assert "=== ray-jax-train: done ===" in logs and str(run_dir) in logs and "--set run.name=two-nodes" in logs
+    # A job's log is no terminal: progress is a line per log step, not redrawn bars, and start-up lines that ask
+    # nothing of the user (JAX's coordinator address, gloo's peer count) are left out of it.
+    assert "[train] step 2/4, loss " in logs and "\r" not in logs, logs[-4000:]
+    assert "JAX distributed service" not in logs and "[Gloo]" not in logs, logs[-4000:]
 
     # One training worker on each node.
     workers = list_actors(address=url, filters=[("class_name", "=", "RayTrainWorker")], detail=True)

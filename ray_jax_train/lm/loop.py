@@ -9,6 +9,7 @@ Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CL
     has_eval      whether an "eval" dataset was given
     tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model and into model/
                   (optional)
+    progress_lines  rank 0 logs a line per log step instead of drawing a bar (the driver's stdout is no terminal)
     record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
@@ -23,6 +24,7 @@ import math
 import os
 import shutil
 import tempfile
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -55,7 +57,16 @@ def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], colu
     wanted = args.save_final_model or args.save_steps
     tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and wanted else None
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
-            "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref, **extra}
+            "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref,
+            "progress_lines": not _is_terminal(sys.stdout), **extra}
+
+
+def _is_terminal(stream) -> bool:
+    """Whether the driver prints to a terminal: else the loop logs lines, not a bar (see `Progress`)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> None:
@@ -159,7 +170,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             f"retries (meant for lost workers). Fix the cause and call fit() again. The earlier error: "
             f"{went_nan.get('message', '')}")
     metrics_file = outputs.metrics_file() if rank0 else None
-    progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0)
+    progress = Progress(total_steps, initial=step, enabled=args.progress_bar and rank0,
+                        lines=config.get("progress_lines", False))
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
                             outputs.filesystem, rank=ray.train.get_context().get_world_rank())
     profiler.skip_resumed(step)
@@ -255,7 +267,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     # Re-sent with checkpoints: the latest of each metric, eval_* kept from the last eval, since Ray
                     # ranks a checkpoint missing checkpoint_score_attribute first and would keep it over scored ones.
                     last.update({k: v for k, v in record.items() if k not in STARTUP_KEYS})
-                    progress.update(0, {k: record[k] for k in ("loss", "eval_loss") if k in record})
+                    progress.update(0, record)
                     if metrics_file is not None:
                         metrics_file.append(json.dumps(record))
                     ray.train.report(record)
@@ -371,6 +383,8 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
     """Say how long start-up took, whether the compiled programs came from the persistent cache (restarts, Tune
     trials), and how much of the train state each device holds (what FSDP and tensor parallelism are meant to
     cut). Returns the same facts for the first metrics record."""
+    import jax
+
     from ray_jax_train.backend import compilation_cache_hits, compilation_cache_misses
     from ray_jax_train.sharding import bytes_per_device
 
@@ -382,9 +396,10 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
     per_process = [tuple(int(n) for n in v.split()) for v in _sync.allgather("compilation_cache", mine)]
     hits, misses = min(h for h, _ in per_process), max(m for _, m in per_process)
     state_mb = max(bytes_per_device(state).values(), default=0) / 2**20
-    logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache / compiled, "
-                "per process: %s; the train state takes %.1f MB per device.", step, seconds,
-                ", ".join(f"{h}/{m}" for h, m in per_process), state_mb)
+    if jax.process_index() == 0:  # the same line from every process said nothing more
+        logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache / "
+                    "compiled, per process: %s; the train state takes %.1f MB per device.", step, seconds,
+                    ", ".join(f"{h}/{m}" for h, m in per_process), state_mb)
     facts = dict(zip(STARTUP_KEYS, (seconds, hits, misses, state_mb)))
     recorder.json(f"first_step_{step:06d}", dict(facts, seconds=seconds,
                                                  compilation_cache_hits_per_process=[h for h, _ in per_process],

@@ -7,6 +7,7 @@ sheets for known accelerators; on CPU there is no data sheet, so a short matmul 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Callable, Dict, Optional, Union
 
@@ -117,11 +118,14 @@ class Throughput:
 
 
 class Progress:
-    """A tqdm bar on rank 0 only; Ray's `tqdm_ray` when available so it renders on the driver."""
+    """Rank 0's progress: a bar (Ray's `tqdm_ray`, drawn by the driver) where the driver prints to a terminal, else
+    one plain line per log step. A bar's carriage returns turn a log file (`ray job logs`, CI, a pipe) into one
+    long line of redrawn bars."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
-        self.bar = None
-        if not enabled:
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, lines: bool = False):
+        self.bar, self.lines, self.total = None, enabled and lines, total
+        self.step, self.first = initial, None  # (time, step) when the first step finished: compile left out
+        if not enabled or lines:
             return
         try:
             from ray.experimental.tqdm_ray import tqdm
@@ -132,17 +136,44 @@ class Progress:
             self.bar.update(initial)
 
     def update(self, steps: int, metrics: Optional[Dict[str, float]] = None) -> None:
+        self.step += steps
+        if self.first is None and steps:
+            self.first = (time.perf_counter(), self.step)
+        if self.lines and metrics:
+            # The process's own stdout, which Ray forwards to the driver: Train V2 sends print() to its logger too,
+            # so a print shows twice.
+            stream = sys.__stdout__ or sys.stdout
+            stream.write(self.line(metrics) + "\n")
+            stream.flush()
         if self.bar is None:
             return
-        if metrics and hasattr(self.bar, "set_postfix"):
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()})
-        elif metrics:  # tqdm_ray has no postfix: put the numbers in the description
-            self.bar.set_description("train " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        shown = {k: metrics[k] for k in ("loss", "eval_loss") if k in metrics} if metrics else {}
+        if shown and hasattr(self.bar, "set_postfix"):
+            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
+        elif shown:  # tqdm_ray has no postfix: put the numbers in the description
+            self.bar.set_description("train " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
         self.bar.update(steps)
+
+    def line(self, metrics: Dict[str, float]) -> str:
+        parts = [f"step {self.step}/{self.total}"]
+        parts += [f"{k} {metrics[k]:.4g}" for k in ("loss", "eval_loss", "learning_rate") if k in metrics]
+        if "tokens_per_s" in metrics:
+            parts.append(f"{metrics['tokens_per_s']:.0f} tokens/s")
+        if self.first is not None and self.step > self.first[1]:
+            per_step = (time.perf_counter() - self.first[0]) / (self.step - self.first[1])
+            parts.append(f"{_duration(per_step * (self.step - self.first[1]))} elapsed, "
+                         f"{_duration(per_step * max(self.total - self.step, 0))} left")
+        return "[train] " + ", ".join(parts)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def read_metrics(run_dir) -> list:
