@@ -32,7 +32,7 @@ def resolve_dataset(dataset) -> Any:
 
         try:
             return ray.train.get_dataset_shard(dataset)
-        except KeyError as exc:
+        except (KeyError, AssertionError) as exc:  # AssertionError: in Ray's local mode (num_workers=0)
             raise ValueError(
                 f"No dataset named {dataset!r} was given to the trainer ({exc}). Pass it in "
                 f"JaxTrainer(datasets={{{dataset!r}: ...}}) or use one of the names that were passed."

@@ -251,23 +251,21 @@ def shardings_for(tree, mesh, rules: Union[PartitionRules, RuleList, None] = Non
 
 
 def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = None):
-    """Place every array of `tree` on `mesh` according to `rules`; an nnx Module is updated in place.
+    """Place every array of `tree` on `mesh` according to `rules`; an nnx object (a Module, an `nnx.Optimizer`)
+    is updated in place and returned.
 
     Host values (numpy, or arrays every process holds in full) become global arrays through
     `make_array_from_callback`: each process fills only its own shards, so nothing is communicated. Global
-    arrays already on the mesh are resharded inside jit.
+    arrays already on the mesh are resharded inside jit. Typed PRNG keys (an `nnx.Rngs` stream) are placed
+    through their key data.
     """
     import jax
 
-    try:
+    if _is_nnx_object(tree):
         from flax import nnx
 
-        if isinstance(tree, nnx.Module):
-            state = nnx.state(tree)
-            nnx.update(tree, shard_by_rules(state, mesh, rules))
-            return tree
-    except ImportError:  # pragma: no cover
-        pass
+        nnx.update(tree, shard_by_rules(nnx.state(tree), mesh, rules))
+        return tree
     shardings = shardings_for(tree, mesh, rules)
     single = jax.process_count() == 1
 
@@ -277,10 +275,23 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
                 return jax.device_put(x, sharding)
             if not x.is_fully_addressable:
                 return x if x.sharding == sharding else jax.jit(lambda y: y, out_shardings=sharding)(x)
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # numpy cannot hold a typed key
+                data = place(jax.random.key_data(x), sharding)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(place, tree, shardings)
+
+
+def _is_nnx_object(value) -> bool:
+    """An nnx graph object (Module, Optimizer, ...): a Python object whose arrays `nnx.state` collects."""
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None) or nnx.Module
+    return isinstance(value, base)
 
 
 def bytes_per_device(tree) -> Dict[Any, int]:

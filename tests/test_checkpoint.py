@@ -601,6 +601,8 @@ def dropin_mistakes_loop(config):
             record["no_sharding"] = str(exc)
     elif mode == "no_restore":  # a second fit of the run: Ray offers step 1's checkpoint, and the loop ignores it
         ckpt.save(1, state, wait=True)
+    elif mode == "nnx":  # a Flax NNX user's own model and optimizer, saved whole
+        record.update(nnx_objects_round_trip(ckpt, mesh))
     ckpt.close()
     record["warnings"] = warnings
     if rank == 0:
@@ -608,16 +610,79 @@ def dropin_mistakes_loop(config):
             json.dump(record, f)
 
 
+def nnx_objects_round_trip(ckpt, mesh):
+    """nnx objects through shard_by_rules and the checkpointer, in a 2-process job. Before: shard_by_rules left an
+    nnx.Optimizer where it was and failed on a Dropout's key; a saved Module could never be restored (its restore
+    called the checkpoint corrupt); a jnp.asarray(step) failed the save with orbax's 'host local' error."""
+    import logging
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from jax.sharding import PartitionSpec as P
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def values(tree):
+        return [np.asarray(multihost_utils.process_allgather(x, tiled=True)).tolist() if not
+                jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                else np.asarray(multihost_utils.process_allgather(jax.random.key_data(x), tiled=True)).tolist()
+                for x in jax.tree.leaves(tree)]
+
+    model = Net(nnx.Rngs(0, dropout=1))
+    opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    rules = [(r"kernel$", P(None, "dp")), (r".*", P())]
+    assert rjt.shard_by_rules(opt, mesh, rules) is opt and rjt.shard_by_rules(model, mesh, rules) is model
+    leaves = jax.tree.leaves(nnx.state(opt)) + jax.tree.leaves(nnx.state(model))
+    out = {"placed": all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)}
+    out["kernel_spec"] = str(model.blocks[0].kernel.value.sharding.spec)
+    saved = values(nnx.state(model)) + values(nnx.state(opt))
+    absl_lines = []  # orbax logs about 15 INFO lines per save and worker through absl's logger: kept out by default
+    handler = logging.Handler()
+    handler.emit = lambda record: absl_lines.append(record.getMessage())
+    logging.getLogger("absl").addHandler(handler)
+    out["absl_info_enabled"] = logging.getLogger("absl").isEnabledFor(logging.INFO)
+    path = ckpt.save(3, {"model": model, "opt": opt, "step": jnp.asarray(3)}, wait=True, validation=True)
+    target = rjt.abstract_state({"model": model, "opt": opt, "step": jnp.asarray(0)})
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model)))  # lose the values; the restore brings them
+    restored = ckpt.restore(target, path)
+    nnx.update(model, restored.state["model"])
+    nnx.update(opt, restored.state["opt"])
+    out["equal"] = values(nnx.state(model)) + values(nnx.state(opt)) == saved
+    out["absl_lines"] = absl_lines
+    out["step"] = [type(restored.state["step"]).__name__, int(restored.state["step"])]
+    try:
+        ckpt.save(4, {"w": jnp.ones(3)})
+    except ValueError as exc:
+        out["local"] = str(exc)
+    return out
+
+
+def validate_checkpoint(checkpoint, out):
+    with open(os.path.join(out, "validated.txt"), "a") as f:
+        f.write(checkpoint.path + "\n")
+    return {"validated": 1.0}
+
+
 def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster, tmp_path):
     """Found by porting a script written for Ray's own JaxTrainer. Before: a rank-0-only save waited silently for
     10 minutes and then named a key-value key; a replicated state made by device_put from a jax.Array could not be
     saved; a data_state with an int key came back with a str key; a target without shardings came back as numpy; a
     loop that never restored started over without a word."""
+    from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskConfig
+
     def fit(mode, name, **config):
         trainer = rjt.JaxTrainer(
             dropin_mistakes_loop, train_loop_config={"mode": mode, "out": str(tmp_path), **config},
             scaling_config=ScalingConfig(num_workers=2), jax_config=rjt.JaxConfig(shutdown_timeout_s=5),
-            run_config=RunConfig(name=name, storage_path=str(tmp_path / "storage")))
+            run_config=RunConfig(name=name, storage_path=str(tmp_path / "storage")),
+            validation_config=ValidationConfig(validate_checkpoint, ValidationTaskConfig({"out": str(tmp_path)}),
+                                               ray_remote_kwargs={"num_cpus": 0}))
         return trainer.fit()
 
     with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\], which never reached it.*not only on rank 0"):
@@ -634,3 +699,18 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert fit("no_restore", "ported").error is None
     warnings = json.loads((tmp_path / "no_restore.json").read_text())["warnings"]
     assert [w for w in warnings if "already has a checkpoint of step 1" in w and "restore() was not called" in w]
+
+    # An NNX user's own Module and Optimizer (a second review's findings).
+    result = fit("nnx", "nnx")
+    assert result.error is None, result.error
+    record = json.loads((tmp_path / "nnx.json").read_text())
+    assert record["placed"] and record["kernel_spec"].endswith("(None, 'dp')"), record
+    assert record["equal"] and record["step"] == ["ndarray", 3], record
+    assert record["absl_info_enabled"] and record["absl_lines"] == [], record["absl_lines"][:5]
+    assert "['w'] (3,) lives on this process's devices only, in a job of 2 processes" in record["local"]
+    assert "rjt.shard_by_rules(state, mesh, rules)" in record["local"]
+    # save(..., validation=True) reached Ray: the trainer's validation function ran on that checkpoint.
+    deadline = time.time() + 60
+    while not (tmp_path / "validated.txt").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert "checkpoint_000000003" in (tmp_path / "validated.txt").read_text()

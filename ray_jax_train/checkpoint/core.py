@@ -175,7 +175,13 @@ def _uri_for(filesystem, fs_path: str) -> str:
 def _run_location() -> _Location:
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
+    try:
+        storage = ray.train.get_context().get_storage()
+    except NotImplementedError:  # Ray's "Local storage context not yet implemented"
+        raise RuntimeError(
+            "Checkpoints need a run with Ray Train workers: ScalingConfig(num_workers=0) is Ray's local mode, which "
+            "has no run storage to save into or restore from. Use ScalingConfig(num_workers=1) or more, or leave "
+            "JaxCheckpointer / save_and_report / restore out of a local-mode run.") from None
     fs, path = storage.storage_filesystem, storage.experiment_fs_path
     return _Location(fs, path, _uri_for(fs, path))
 
@@ -507,19 +513,63 @@ class _PendingSave:
         self.error: Optional[BaseException] = None
 
 
+def _as_saved(state, what: str = "state", host_values: bool = True):
+    """The tree orbax is given for `state` (to save, or as a restore target).
+
+    An nnx object (a Module, an `nnx.Optimizer`) becomes its `nnx.state`: orbax cannot read back the metadata of a
+    Module pytree. In a job of several processes orbax refuses an array on this process's devices only: a scalar
+    (`jnp.asarray(step)`, an optimizer's count) is kept as a host value, like a numpy leaf (process 0's is saved);
+    anything bigger is refused, naming the leaves and the fix, since each process may hold a different one."""
+    import jax
+
+    from ray_jax_train.sharding import _is_nnx_object
+
+    if any(_is_nnx_object(x) for x in jax.tree.leaves(state, is_leaf=_is_nnx_object)):
+        from flax import nnx
+
+        state = jax.tree.map(lambda x: nnx.state(x) if _is_nnx_object(x) else x, state, is_leaf=_is_nnx_object)
+    if jax.process_count() == 1 or not host_values:
+        return state
+    local = []
+
+    def host(path, x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None \
+                and sharding.is_fully_addressable:
+            if len(x.shape) == 0 and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return np.asarray(x) if isinstance(x, jax.Array) else np.zeros((), x.dtype)
+            local.append(f"{jax.tree_util.keystr(path)} {tuple(x.shape)}")
+        return x
+
+    state = jax.tree_util.tree_map_with_path(host, state)
+    if local:
+        raise ValueError(
+            f"The {what}'s {', '.join(local[:5])}{' ...' if len(local) > 5 else ''} "
+            f"{'lives' if len(local) == 1 else f'({len(local)} leaves) live'} on this process's devices only, in a "
+            f"job of {jax.process_count()} processes, where each process may hold a different one. Place the state "
+            "on the mesh first: rjt.shard_by_rules(state, mesh, rules) (it also takes nnx Modules and Optimizers, in "
+            "place), or jax.jit(init, out_shardings=rjt.shardings_for(...)); a leaf meant to stay on the host can "
+            "be a numpy array (process 0's copy is saved).")
+    return state
+
+
 def abstract_state(state, shardings=None):
     """`jax.ShapeDtypeStruct`s (with shardings) for `state`, the target `restore` fills.
 
     `shardings`, a matching pytree of `Sharding`s, moves the target onto a different mesh (elastic resume).
-    numpy leaves without a sharding stay as they are: they restore as numpy, on the host.
+    numpy leaves without a sharding stay as they are: they restore as numpy, on the host. An nnx Module or
+    Optimizer stands for its `nnx.state`, which restore gives back: `nnx.update(model, restored.state)`.
     """
     import jax
+
+    state = _as_saved(state, "state", host_values=shardings is None)  # given shardings place every leaf
 
     def one(path, leaf, sharding=None):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
                             f"{type(leaf).__name__} ({leaf!r}), not an array; keep arrays in the state (e.g. "
-                            "jnp.asarray(step)), so it restores with a shape, dtype and sharding.")
+                            "np.asarray(step), or jnp.asarray(step) in a one-process job), so it restores with a "
+                            "shape and dtype.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, np.ndarray):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
@@ -531,6 +581,24 @@ def abstract_state(state, shardings=None):
 
 
 _restore_called_in_process = False  # by any checkpointer: a loop may restore through another than it saves with
+
+
+class _OrbaxInfoFilter(logging.Filter):
+    """Drops the INFO lines of absl's logger, which orbax logs through (so an "orbax" logger level misses them).
+    Not by the caller's file: in a Ray worker absl's records name absl's own file as their origin."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+    def install(self, on: bool) -> None:
+        absl_logger = logging.getLogger("absl")
+        if on and self not in absl_logger.filters:
+            absl_logger.addFilter(self)
+        elif not on:
+            absl_logger.removeFilter(self)
+
+
+_orbax_info_filter = _OrbaxInfoFilter()
 
 
 class JaxCheckpointer:
@@ -563,6 +631,9 @@ class JaxCheckpointer:
         metadata: JSON-serialisable facts saved with every checkpoint, inside its atomic commit, and given back in
             `Restored.metadata` (the LM loop keeps the model's config there, so each checkpoint exports with the
             config it was trained with).
+        orbax_info_logs: show orbax's INFO lines (about 15 per save on every worker: handlers, registries,
+            barriers), which it logs through absl's logger; off by default (absl's INFO lines off in this worker),
+            warnings and errors always show.
     """
 
     def __init__(
@@ -577,6 +648,7 @@ class JaxCheckpointer:
         sigterm_grace_s: float = 120.0,
         timeout_s: float = 600.0,
         metadata: Optional[Mapping[str, Any]] = None,
+        orbax_info_logs: bool = False,
     ):
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ValueError(f"save_every={save_every!r} must be a positive integer or None.")
@@ -603,6 +675,7 @@ class JaxCheckpointer:
         self._storage_checked = False
         if handle_preemption:
             signals.install_sigterm_handler(sigterm_grace_s)
+        _orbax_info_filter.install(not orbax_info_logs)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -739,13 +812,16 @@ class JaxCheckpointer:
         metrics: Union[None, Mapping[str, Any], Callable[[], Mapping[str, Any]]] = None,
         data_state: Any = None,
         wait: bool = False,
+        validation: Any = False,
     ) -> str:
         """Start saving `state` as of `step` and report it to Ray once it is on storage. Returns its path.
 
         `metrics` (a dict, or a function returning one so a host sync happens only on save steps) are reported
         with the checkpoint, with `step` set to this one, so `CheckpointConfig(checkpoint_score_attribute=...)` can use
         them. `data_state` is any JSON-serialisable position of the input pipeline. `wait=True` blocks until
-        Ray has registered the checkpoint.
+        Ray has registered the checkpoint. `validation` goes to `ray.train.report`: True (or a
+        `ray.train.ValidationTaskConfig`) runs the trainer's `validation_config` function on this checkpoint.
+        An nnx Module or Optimizer in `state` is saved as its `nnx.state` (see `abstract_state`).
         """
         import jax
         import orbax.checkpoint as ocp
@@ -776,7 +852,7 @@ class JaxCheckpointer:
             "time": time.time(),
         }
         _check_json("data_state", data_state)
-        state = _with_readable_shards(state)
+        state = _with_readable_shards(_as_saved(state))
         pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None,
                                leaf_paths(state))
         # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still
@@ -802,6 +878,7 @@ class JaxCheckpointer:
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             delete_local_checkpoint_after_upload=False,
             checkpoint_upload_fn=self._await_commit(pending),
+            **({"validation": validation} if validation else {}),
         )
         if wait or not self.async_save:
             self.wait(registered=wait)
@@ -862,14 +939,16 @@ class JaxCheckpointer:
         *,
         metrics: Union[None, Mapping[str, Any], Callable[[], Mapping[str, Any]]] = None,
         data_state: Any = None,
+        validation: Any = False,
     ) -> bool:
-        """Call once per step (after the step): saves when `should_save(step)`. Returns whether it saved."""
+        """Call once per step (after the step): saves when `should_save(step)`. Returns whether it saved.
+        `validation` is passed to `save` on the steps that save."""
         signals.maybe_inject_fault(step)
         save, why = self.should_save(step)
         if not save:
             return False
         preempted = why in ("sigterm", "preemption")
-        self.save(step, state, metrics=metrics, data_state=data_state, wait=preempted)
+        self.save(step, state, metrics=metrics, data_state=data_state, wait=preempted, validation=validation)
         if why == "sigterm" and signals.sigterm_received():
             if self.exit_after_sigterm_save:
                 logger.warning("Checkpoint for step %d registered after SIGTERM; exiting this worker.", step)
@@ -931,6 +1010,7 @@ class JaxCheckpointer:
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
         global _restore_called_in_process
+        target = _as_saved(target, "restore target")
         _check_target_shardings(target)
         self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
@@ -1153,9 +1233,11 @@ def _default_checkpointer() -> JaxCheckpointer:
     return _default
 
 
-def save_and_report(step: int, state, *, metrics=None, data_state=None, wait: bool = False) -> str:
+def save_and_report(step: int, state, *, metrics=None, data_state=None, wait: bool = False,
+                    validation: Any = False) -> str:
     """Save `state` (asynchronously, sharded) and report it with `metrics` through `ray.train.report`."""
-    return _default_checkpointer().save(step, state, metrics=metrics, data_state=data_state, wait=wait)
+    return _default_checkpointer().save(step, state, metrics=metrics, data_state=data_state, wait=wait,
+                                        validation=validation)
 
 
 def restore(target, checkpoint=None, *, fallback: bool = True, partial: bool = False) -> Optional[Restored]:

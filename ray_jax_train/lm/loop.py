@@ -512,8 +512,10 @@ def _checkpointer(args, model_config):
     # Each checkpoint carries the HF config it was trained with: `export_checkpoint` needs no other file, and a
     # resume that changes a setting the restore cannot see (rope_theta) leaves earlier checkpoints' configs alone.
     hf_config = None if model_config.hf_export_problem() else model_config.to_hf_dict()
+    # orbax's per-save INFO lines where this worker logs INFO (train(verbose=True), --verbose): quiet_worker did not run.
     return JaxCheckpointer(save_every=args.save_steps, handle_preemption=bool(args.save_steps),
-                           metadata={HF_CONFIG_KEY: hf_config} if hf_config else None)
+                           metadata={HF_CONFIG_KEY: hf_config} if hf_config else None,
+                           orbax_info_logs=logging.getLogger("absl").getEffectiveLevel() <= logging.INFO)
 
 
 def _train_run_id() -> Optional[str]:
