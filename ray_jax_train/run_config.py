@@ -276,6 +276,7 @@ class ExperimentConfig(_Section):
             except FileNotFoundError as exc:
                 raise ConfigError(f"model.init_from: {exc}") from None
             check_hf_init_dir(self, model)
+            check_hf_init_tokenizer(self)
         if self.tune is not None:
             for key, spec in self.tune.param_space.items():
                 try:
@@ -373,9 +374,17 @@ class ExperimentConfig(_Section):
         if hf_dir is not None:
             from ray_jax_train.models import load_hf_config
 
-            hf = load_hf_config(hf_dir).model_dump()
+            try:
+                hf = load_hf_config(hf_dir).model_dump()
+            except ValueError as exc:  # an architecture we have no model for: a config problem, not a crash
+                raise ConfigError(f"model.init_from: {exc}") from None
             if "type" not in self.model.model_fields_set:
                 model_type = hf["model_type"]
+            elif model_type != hf["model_type"]:
+                raise ConfigError(
+                    f"model.type: {model_type!r} contradicts model.init_from's config.json ({hf_dir}), whose model_type "
+                    f"is {hf['model_type']!r}: its weights are that architecture. Leave model.type out (it is taken "
+                    "from config.json).")
             values = {**{k: v for k, v in hf.items() if v is not None and k != "model_type"}, **values}
         values.setdefault("vocab_size", len(tokenizer) if tokenizer is not None else self.tokenizer.vocab_size)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -545,6 +554,11 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, dict) and any(v is None and re.fullmatch(r"[^:\s]+:\S+", str(k)) for k, v in value.items()):
+            # YAML reads {dp:1} as the key "dp:1" with no value; the schema's error named that key only
+            spaced = raw.replace(":", ": ").replace(",", ", ").replace(":  ", ": ").replace(",  ", ", ")
+            raise ConfigError(f"--set {item!r}: YAML needs a space after each colon in a mapping: "
+                              f"--set '{key}={spaced}'")
         node = data
         for part in parts[:-1]:
             child = node.get(part)
@@ -783,6 +797,18 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> No
                                                 "leave them out: they are then taken from there.")
     except ValueError as exc:
         raise ConfigError(f"model.init_from: {exc}") from None
+
+
+def check_hf_init_tokenizer(config: ExperimentConfig) -> None:
+    """Weights from a Hugging Face directory without a tokenizer need the tokenizer they were trained with: one
+    trained at run time has the same size but other ids (the fine-tune would start from scrambled embeddings)."""
+    hf_dir = config.hf_init_dir()
+    if hf_dir is not None and config.tokenizer.path is None and hf_tokenizer_dir(config) is None:
+        raise ConfigError(
+            f"model.init_from: {hf_dir} has model weights but no tokenizer (tokenizer.json or tokenizer_config.json), "
+            "and a tokenizer trained now would give its token ids other meanings. Set tokenizer.path to the "
+            "directory of the tokenizer the model was trained with, or save that tokenizer into the model directory "
+            "(tokenizer.save_pretrained(dir)).")
 
 
 def hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:

@@ -331,7 +331,13 @@ def check_llama_parallelism(config, mesh, batch_size: Optional[int] = None, *, t
         for name in ("intermediate_size", "vocab_size"):
             value = getattr(config, name)
             if value % tp:
-                raise ValueError(f"{name}={value} is not divisible by mesh axis {tp_axis!r}={tp}.")
+                fix = (f"for a model trained from scratch, a padded vocabulary: model.vocab_size (LlamaConfig."
+                       f"vocab_size) {-(-value // tp) * tp}, a multiple of {tp} (rows no token id uses)"
+                       if name == "vocab_size" else
+                       f"use a multiple of {tp} for {name}")
+                raise ValueError(f"{name}={value} is not divisible by mesh axis {tp_axis!r}={tp}: tensor parallelism "
+                                 f"splits it evenly over the {tp} devices. Set {tp_axis}=1 (dp/fsdp instead), or "
+                                 f"{fix}.")
     if batch_size is not None:
         from ray_jax_train.data import check_batch_size
 

@@ -358,6 +358,10 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     # Before, these passed `config validate` and failed in the workers after start-up.
     with pytest.raises(ConfigError, match="model/scaling: Mesh axis 'tp'=2 cannot split the model's 1 key/value heads"):
         parse_config({**tiny, "scaling": {"cpu_devices_per_worker": 2, "mesh": {"dp": 1, "tp": 2}}})
+    # tp across workers: found only after the workers started (a review).
+    with pytest.raises(ConfigError, match=r"training/scaling: Mesh \{'dp': 1, 'fsdp': 1, 'tp': 2\} does not give each "
+                                          r"of the 2 workers its own block .*their product must divide 1"):
+        parse_config({**tiny, "scaling": {"num_workers": 2, "mesh": {"dp": 1, "fsdp": 1, "tp": 2}}})
     with pytest.raises(ConfigError, match="model/scaling: intermediate_size=63 is not divisible by mesh axis 'tp'=2"):
         parse_config({**tiny, "model": {**tiny["model"], "num_key_value_heads": 2, "intermediate_size": 63},
                       "scaling": {"cpu_devices_per_worker": 2, "mesh": {"dp": 1, "tp": 2}}})
@@ -367,23 +371,27 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     save_pretrained(create_model(hf), hf_dir)
     with pytest.raises(ConfigError, match=r"model.init_from: .*\(300, 64\) != \(300, 32\).*leave them out"):
         parse_config({**tiny, "model": {**tiny["model"], "init_from": str(hf_dir)}})
+    # Weights without their tokenizer: one trained at run time would give the ids other meanings (it was silent).
+    with pytest.raises(ConfigError, match=r"model.init_from: .* has model weights but no tokenizer.*tokenizer.path"):
+        parse_config({**tiny, "model": {"init_from": str(hf_dir)}})
+    from ray_jax_train.text import train_tokenizer
+    from ray_jax_train.run_config import hf_tokenizer_dir as _hf_tokenizer_dir
+
+    train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
     # Sizes left out come from its config.json: that model is the one fine-tuned.
     config = parse_config({**tiny, "model": {"init_from": str(hf_dir), "remat": True}})
     assert config.llama_config() == hf.replace(remat=True)
     # A bf16 checkpoint (most are) trains float32 master weights, as through RayDistributedTrainer; asked, bf16.
     bf16_dir = tmp_path / "hf_bf16"
     save_pretrained(create_model(hf.replace(dtype="bfloat16", param_dtype="bfloat16")), bf16_dir)
-    loaded = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}}).llama_config()
+    with_tokenizer = {"path": str(hf_dir)}
+    loaded = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}, "tokenizer": with_tokenizer}).llama_config()
     assert (loaded.param_dtype, loaded.dtype) == ("float32", "bfloat16")
-    kept = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}, "training": {**tiny["training"], "param_dtype": "bf16"}})
+    kept = parse_config({**tiny, "model": {"init_from": str(bf16_dir)}, "tokenizer": with_tokenizer,
+                         "training": {**tiny["training"], "param_dtype": "bf16"}})
     assert kept.llama_config().param_dtype == "bfloat16"
     # A search from a directory with its own tokenizer gives the trials that tokenizer (they looked for one in the
     # search's directory, which nothing wrote: every trial failed).
-    from ray_jax_train.text import train_tokenizer
-    from ray_jax_train.run_config import hf_tokenizer_dir as _hf_tokenizer_dir
-
-    assert _hf_tokenizer_dir(config) is None
-    train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
     assert _hf_tokenizer_dir(config) == str(hf_dir)
     trial = parse_config({**tiny, "model": {"init_from": str(hf_dir)}, "tokenizer": {"path": str(hf_dir)}})
     assert trial.llama_config().hidden_size == 64

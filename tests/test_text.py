@@ -362,15 +362,24 @@ def test_end_to_end_jsonl_to_packed_rows(ray_cluster, tokenizer, tmp_path):
     assert total_loss == sum(len(d) - 1 for d in want)
 
 
-def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, tokenizer, tmp_path):
+def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, tokenizer, tmp_path, caplog):
     import datasets
 
     tokenizer.save_pretrained(tmp_path / "tok")
     convs = [CHAT, CHAT[1:3]]
     hf = datasets.Dataset.from_list([{"messages": c} for c in convs])
-    assert sum(len(d) for d in encode_chats(tokenizer, convs)[0]) <= 128  # both fit one row
-    rows = build_lm_dataset(hf, str(tmp_path / "tok"), 128).take_all()
+    lengths = [len(d) for d in encode_chats(tokenizer, convs)[0]]
+    assert sum(lengths) <= 128  # both fit one row
+    with caplog.at_level("WARNING"):
+        rows = build_lm_dataset(hf, str(tmp_path / "tok"), 128).take_all()
+    assert not [r for r in caplog.records if "conversations are longer" in r.getMessage()]
     assert len(rows) == 1
+    # Rows shorter than a conversation split it silently: an answer lost sight of its question (a review).
+    short = min(lengths) - 1
+    with caplog.at_level("WARNING"):
+        build_lm_dataset(hf, str(tmp_path / "tok"), short)
+    assert f"2 of the first 2 conversations are longer than max_sequence_length={short} tokens (the longest " \
+           f"{max(lengths)})" in caplog.text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

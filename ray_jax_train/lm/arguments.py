@@ -194,6 +194,7 @@ class TrainingArguments(BaseModel):
             raise ValueError(f"max_sequence_length={self.max_sequence_length} does not split over mesh axis "
                              f"'sp'={sp}; use a multiple of {sp}.")
         shards = math.prod(size for name, size in axes.items() if name in ("dp", "fsdp", "data"))
+        self._check_batch_split_over_workers(axes, shards, num_devices)
         k = self.gradient_accumulation_steps
         if self.micro_batch_size % shards:
             step = shards * k  # a batch_size both splits take: into k micro-batches, each over the shards
@@ -205,6 +206,31 @@ class TrainingArguments(BaseModel):
         if self.eval_batch_size is not None and self.eval_batch_size % shards:
             raise ValueError(f"The eval_batch_size is {self.eval_batch_size}, which does not split over the {shards} "
                              f"batch shards of mesh {axes}. Use a multiple of {shards}.")
+
+    def _check_batch_split_over_workers(self, axes: Dict[str, int], shards: int, num_devices: int) -> None:
+        """Each worker must own whole batch shards: its devices are a contiguous block of the mesh (make_mesh orders
+        devices by process), so an axis after the data axes (tp, sp) that spans workers gives two workers the same
+        rows. The workers found it only after start-up."""
+        import numpy as np
+
+        workers = self.num_workers
+        if workers <= 1 or num_devices % workers:
+            return
+        per_worker = num_devices // workers
+        coords = np.indices(tuple(axes.values())).reshape(len(axes), -1)
+        batch_dims = [i for i, name in enumerate(axes) if name in ("dp", "fsdp", "data")]
+        shard = (np.ravel_multi_index(tuple(coords[batch_dims]), tuple(np.asarray(list(axes.values()))[batch_dims]))
+                 if batch_dims else np.zeros(num_devices, int))
+        owner = np.arange(num_devices) // per_worker
+        if all(len(set(shard[owner == w].tolist())) * workers == shards for w in range(workers)):
+            return
+        later = {name: size for name, size in list(axes.items())[max(batch_dims, default=-1) + 1:] if size > 1}
+        raise ValueError(
+            f"Mesh {axes} does not give each of the {workers} workers its own block of the batch (each worker has "
+            f"{per_worker} device(s), a contiguous block of the mesh). Put the data axes (dp/fsdp) first, and keep "
+            f"the axes after them{f' ({later})' if later else ''} inside one worker: their product must divide "
+            f"{per_worker}. Give each worker more devices (num_cpu_devices; CLI: scaling.cpu_devices_per_worker) or "
+            "make those axes smaller.")
 
     def check_model_on_mesh(self, model_config, num_devices: int) -> None:
         """On the driver, the worker's check of the model against the mesh (tp and kv heads, every parameter

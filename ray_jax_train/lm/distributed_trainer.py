@@ -268,9 +268,12 @@ class RayDistributedTrainer:
 
     # -- training -----------------------------------------------------------------------------------------
 
-    def train(self, scaling_index: int, arguments, dataset_train, dataset_eval=None, data_collator=None,
-              model=None, state=None, *, verbose: bool = False):
+    def train(self, scaling_index: int = 1, arguments=None, dataset_train=None, dataset_eval=None,
+              data_collator=None, model=None, state=None, *, verbose: bool = False):
         """Train on Ray workers and return Ray's `Result` (outputs under `result.path`).
+
+        `scaling_index` picks the model size (1, the default, is a Hugging Face directory's own size when the
+        trainer was given one).
 
         Starting weights, first match wins: `state`, then `model`, then the trainer's `checkpoint_path`, then a
         new model at `scaling_index`. `result.metrics` is the latest checkpoint's metrics, or, in a run that saved
@@ -289,6 +292,10 @@ class RayDistributedTrainer:
 
         from ray_jax_train.quiet import quiet_driver, quiet_run_settings, quiet_train_loop
 
+        if arguments is None or dataset_train is None:
+            missing = [n for n, v in (("arguments", arguments), ("dataset_train", dataset_train)) if v is None]
+            raise TypeError(f"train() needs {' and '.join(missing)} (train(scaling_index=1, arguments="
+                            "TrainingArguments(...), dataset_train=...)).")
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
         config = self._train_config(scaling_index, args, model)
         problem = config.hf_export_problem() if args.save_final_model else None

@@ -130,6 +130,8 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     if check_not_empty and resolved:
         _check_first_document(dataset, first[0], tok, resolved, text_column=text_column,
                               messages_column=messages_column)
+        if kind == "messages":
+            _warn_if_conversations_are_split(dataset, tok, seq_len, messages_column)
     # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
     # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
     # constructor args (keeping actor restarts possible) instead of resolving it.
@@ -190,6 +192,34 @@ def _check_first_document(dataset, first_row: Mapping[str, Any], tokenizer, reso
                 "{'role': ..., 'content': ...}). If it holds text, name it with training.text_column in the config "
                 "(text_column=... in Python).")
         check_roles(tokenizer, [conversation])
+
+
+_SAMPLED_CONVERSATIONS = 64
+
+
+def _warn_if_conversations_are_split(dataset, tokenizer, seq_len: int, column: str) -> None:
+    """A conversation longer than a row is split into pieces trained apart: an answer past the cut no longer sees
+    its question. Right for long text, silently harmful for fine-tuning on chats, so the first conversations are
+    rendered here on the driver and a warning counts the long ones."""
+    rows = dataset.take(_SAMPLED_CONVERSATIONS)
+    conversations = []
+    for row in rows:
+        value = row.get(column)
+        value = value.tolist() if hasattr(value, "tolist") else value
+        if isinstance(value, (list, tuple)) and value:
+            conversations.append(list(value))
+    if not conversations:
+        return
+    lengths = [len(doc) for doc in encode_chats(tokenizer, conversations)[0]]
+    long = [n for n in lengths if n > seq_len]
+    if long:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%d of the first %d conversations are longer than max_sequence_length=%d tokens (the longest %d): each is "
+            "split into rows trained apart, and an answer past a cut no longer sees its question. Raise "
+            "training.max_sequence_length (up to the model's max_position_embeddings), or shorten or drop the long "
+            "conversations.", len(long), len(lengths), seq_len, max(long))
 
 
 def build_lm_dataset(source, tokenizer, seq_len: int, *, format: str | None = None, **kwargs):
