@@ -575,6 +575,10 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     if shared:  # the workers' own choice first (Ray's way to configure them), then the driver's
         config.compilation_cache_dir = shared
         return
+    search = _tune_search_dir()
+    if search:  # fit() inside a Tune trial: the trials share the search's cache, as ray_jax_train.tune's do
+        config.compilation_cache_dir = os.path.join(search, "compilation_cache")
+        return
     storage = str(run_config.storage_path)
     if storage.startswith("file://"):
         storage = storage[len("file://"):]
@@ -584,6 +588,25 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
         return
     config.compilation_cache_dir = os.path.join(os.path.abspath(os.path.expanduser(storage)), run_config.name,
                                                 "compilation_cache")
+
+
+def _tune_search_dir() -> Optional[str]:
+    """The Tune experiment directory when this process runs a Tune trial and it is a local path, else None.
+    Trials of one search compile mostly the same programs; each run's own cache made every trial compile them."""
+    try:
+        from ray.train._internal.session import get_session
+
+        session = get_session()
+        storage = session.storage if session is not None else None
+        if storage is None:
+            return None
+        import pyarrow.fs
+
+        if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+            return None
+        return storage.experiment_fs_path
+    except Exception:  # noqa: BLE001 - Ray's internals moved: keep the run's own cache
+        return None
 
 
 def worker_config() -> Optional[JaxConfig]:

@@ -269,3 +269,32 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     assert steps.count(2) == 1 and steps[-1] == 40 and sorted(set(steps)) == list(range(2, 41, 2)), steps
     best = json.loads((experiment / "best.json").read_text())
     assert best["config"]["training"]["total_steps"] == 40 and os.path.isdir(best["checkpoint"])
+
+
+def cache_dir_loop(config):
+    from ray_jax_train.backend import worker_config
+
+    with open(config["out"], "w") as f:
+        f.write(worker_config().compilation_cache_dir)
+
+
+def own_tune_trial(config):
+    import ray.train
+
+    import ray_jax_train as rjt
+
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's shared cache: the default is under test
+    rjt.JaxTrainer(cache_dir_loop, train_loop_config=config,
+                   run_config=ray.train.RunConfig(name="inner", storage_path=config["storage"])).fit()
+
+
+def test_a_users_own_tune_search_gives_its_trials_one_compilation_cache(ray_cluster, tmp_path):
+    """JaxTrainer.fit() in a trial of the user's own Tuner kept its cache in its own run directory, so every trial
+    compiled the programs the one before it had compiled (a review: 25 programs, 0 loaded, in two alike trials)."""
+    from ray import tune
+
+    out = tmp_path / "cache_dir.txt"
+    tuner = tune.Tuner(own_tune_trial, param_space={"out": str(out), "storage": str(tmp_path / "runs")},
+                       run_config=tune.RunConfig(name="search", storage_path=str(tmp_path / "tune")))
+    assert not tuner.fit().errors
+    assert out.read_text() == str(tmp_path / "tune" / "search" / "compilation_cache")
