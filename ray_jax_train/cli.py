@@ -115,6 +115,7 @@ def _connect(config, address: Optional[str], verbose: bool):
     import ray
 
     from ray_jax_train.quiet import QUIET_ENV
+    from ray_jax_train.trainer import with_named_dashboard
 
     if ray.is_initialized():
         return ray
@@ -123,15 +124,9 @@ def _connect(config, address: Optional[str], verbose: bool):
     if not address or address == "local":
         need = config.scaling.num_workers * (config.scaling.cpus_per_worker or 1)
         env = {} if verbose else dict(QUIET_ENV)
-        port = None
-        if _has_dashboard():
-            # Train's cleanup actor polls the state API. On a free port, and named explicitly: with several Ray
-            # instances on one machine, Ray's own address lookup refuses to pick one.
-            port = _free_port()
-            env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         # Logical CPUs beyond the workers' leave room for Ray Data on a small machine.
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
-                 include_dashboard=port is not None, dashboard_port=port, runtime_env={"env_vars": env}, **kwargs)
+                 **with_named_dashboard(dict(runtime_env={"env_vars": env}, **kwargs)))
     else:
         ray.init(address=address, **kwargs)
     if not verbose:
@@ -142,20 +137,6 @@ def _connect(config, address: Optional[str], verbose: bool):
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray
-
-
-def _has_dashboard() -> bool:
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("aiohttp", "aiohttp_cors", "opencensus"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _resume_hint(args, name: str) -> str:

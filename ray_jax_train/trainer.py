@@ -213,8 +213,35 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
         ray.init(address=address, **kwargs)
         return True
     _warn_if_ray_start_cluster_runs(kwargs.get("_temp_dir"))
-    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **kwargs)
+    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **with_named_dashboard(kwargs))
     return False
+
+
+def with_named_dashboard(init_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """`ray.init` keyword arguments for a private local Ray whose dashboard (if it starts one) is on a port of our
+    choosing, named to the job's processes. Train's placement-group cleaner polls the state API, and with several
+    Ray instances on one machine Ray's own address lookup refuses to pick one: the cleaner died with a traceback."""
+    import importlib.util
+
+    kwargs = dict(init_kwargs)
+    if kwargs.get("include_dashboard") is False or not all(
+            importlib.util.find_spec(m) is not None for m in ("aiohttp", "aiohttp_cors", "opencensus")):
+        return kwargs
+    port = kwargs.setdefault("dashboard_port", _free_port())
+    runtime_env = dict(kwargs.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.setdefault("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{port}")
+    runtime_env["env_vars"] = env_vars
+    kwargs["runtime_env"] = runtime_env
+    return kwargs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _running_ray_start_cluster(temp_dir: Optional[str] = None) -> Optional[str]:

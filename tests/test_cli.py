@@ -485,3 +485,22 @@ def test_ctrl_c_during_fit_exits_130_with_the_resume_command(tmp_path):
                 fit.kill()
     text = log.read_text()
     assert "ray-jax-train: interrupted" in text and "resume:" in text and "run.name=sigint" in text, text[-3000:]
+
+
+def test_a_private_ray_names_its_dashboard_to_its_own_processes():
+    """Train's placement-group cleaner asks the state API, and with several Ray instances on one machine Ray's
+    address lookup refused to pick one: the cleaner died with a traceback (a review, Python API runs)."""
+    import importlib.util
+
+    from ray_jax_train.trainer import with_named_dashboard
+
+    assert with_named_dashboard({"include_dashboard": False}) == {"include_dashboard": False}
+    if not all(importlib.util.find_spec(m) for m in ("aiohttp", "aiohttp_cors", "opencensus")):
+        assert with_named_dashboard({}) == {}  # no dashboard can start: nothing to name
+        return
+    given = {"runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}, "dashboard_port": 8999}
+    named = with_named_dashboard(given)
+    assert named["runtime_env"] == {"env_vars": {"A": "1", "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:8999"},
+                                    "pip": ["x"]}
+    assert given["runtime_env"]["env_vars"] == {"A": "1"}  # the caller's dict is left alone
+    assert isinstance(with_named_dashboard({})["dashboard_port"], int)
