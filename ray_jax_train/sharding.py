@@ -285,13 +285,13 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
 
 
 def _is_nnx_object(value) -> bool:
-    """An nnx graph object (Module, Optimizer, ...): a Python object whose arrays `nnx.state` collects."""
+    """An nnx Module or Optimizer: a Python object whose arrays `nnx.state` collects. A user's own `nnx.Pytree`
+    container (a train state class) is left as the pytree it is: orbax saves and restores it as that class."""
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is a dependency
         return False
-    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None) or nnx.Module
-    return isinstance(value, base)
+    return isinstance(value, (nnx.Module, nnx.Optimizer))
 
 
 def bytes_per_device(tree) -> Dict[Any, int]:

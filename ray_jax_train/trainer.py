@@ -227,10 +227,13 @@ def with_named_dashboard(init_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if kwargs.get("include_dashboard") is False or not all(
             importlib.util.find_spec(m) is not None for m in ("aiohttp", "aiohttp_cors", "opencensus")):
         return kwargs
-    port = kwargs.setdefault("dashboard_port", _free_port())
+    if kwargs.get("dashboard_port") is None:
+        kwargs["dashboard_port"] = _free_port()
+    host = kwargs.get("dashboard_host")
+    host = "127.0.0.1" if host in (None, "", "0.0.0.0", "localhost", "::") else host
     runtime_env = dict(kwargs.get("runtime_env") or {})
     env_vars = dict(runtime_env.get("env_vars") or {})
-    env_vars.setdefault("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{port}")
+    env_vars.setdefault("RAY_API_SERVER_ADDRESS", f"http://{host}:{kwargs['dashboard_port']}")
     runtime_env["env_vars"] = env_vars
     kwargs["runtime_env"] = runtime_env
     return kwargs

@@ -504,3 +504,6 @@ def test_a_private_ray_names_its_dashboard_to_its_own_processes():
                                     "pip": ["x"]}
     assert given["runtime_env"]["env_vars"] == {"A": "1"}  # the caller's dict is left alone
     assert isinstance(with_named_dashboard({})["dashboard_port"], int)
+    assert isinstance(with_named_dashboard({"dashboard_port": None})["dashboard_port"], int)
+    remote = with_named_dashboard({"dashboard_host": "10.1.2.3", "dashboard_port": 8265})
+    assert remote["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] == "http://10.1.2.3:8265"

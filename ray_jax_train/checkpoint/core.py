@@ -27,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -513,13 +515,15 @@ class _PendingSave:
         self.error: Optional[BaseException] = None
 
 
-def _as_saved(state, what: str = "state", host_values: bool = True):
+def _as_saved(state, what: str = "state", host_values: str = "refuse"):
     """The tree orbax is given for `state` (to save, or as a restore target).
 
-    An nnx object (a Module, an `nnx.Optimizer`) becomes its `nnx.state`: orbax cannot read back the metadata of a
-    Module pytree. In a job of several processes orbax refuses an array on this process's devices only: a scalar
+    An nnx Module or `nnx.Optimizer` becomes its `nnx.state`: orbax cannot read back the metadata of a Module
+    pytree. In a job of several processes orbax's save refuses an array on this process's devices only: a scalar
     (`jnp.asarray(step)`, an optimizer's count) is kept as a host value, like a numpy leaf (process 0's is saved);
-    anything bigger is refused, naming the leaves and the fix, since each process may hold a different one."""
+    anything bigger is refused (`host_values="refuse"`, for saves), naming the leaves and the fix, since each
+    process may hold a different one. `"scalars"` converts the scalars only (`abstract_state`: the target of such a
+    save); `"keep"` leaves them (restore targets: orbax restores into host-local shardings)."""
     import jax
 
     from ray_jax_train.sharding import _is_nnx_object
@@ -528,7 +532,7 @@ def _as_saved(state, what: str = "state", host_values: bool = True):
         from flax import nnx
 
         state = jax.tree.map(lambda x: nnx.state(x) if _is_nnx_object(x) else x, state, is_leaf=_is_nnx_object)
-    if jax.process_count() == 1 or not host_values:
+    if jax.process_count() == 1 or host_values == "keep":
         return state
     local = []
 
@@ -542,7 +546,7 @@ def _as_saved(state, what: str = "state", host_values: bool = True):
         return x
 
     state = jax.tree_util.tree_map_with_path(host, state)
-    if local:
+    if local and host_values == "refuse":
         raise ValueError(
             f"The {what}'s {', '.join(local[:5])}{' ...' if len(local) > 5 else ''} "
             f"{'lives' if len(local) == 1 else f'({len(local)} leaves) live'} on this process's devices only, in a "
@@ -562,7 +566,8 @@ def abstract_state(state, shardings=None):
     """
     import jax
 
-    state = _as_saved(state, "state", host_values=shardings is None)  # given shardings place every leaf
+    # The target of a save that kept host scalars as numpy; given shardings place every leaf themselves.
+    state = _as_saved(state, "state", host_values="scalars" if shardings is None else "keep")
 
     def one(path, leaf, sharding=None):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -584,11 +589,19 @@ _restore_called_in_process = False  # by any checkpointer: a loop may restore th
 
 
 class _OrbaxInfoFilter(logging.Filter):
-    """Drops the INFO lines of absl's logger, which orbax logs through (so an "orbax" logger level misses them).
-    Not by the caller's file: in a Ray worker absl's records name absl's own file as their origin."""
+    """Drops the INFO lines that orbax logs through absl's logger (so an "orbax" logger level misses them); other
+    absl INFO lines stay. Told by the calling frames, not the record's file: in a Ray worker absl's records name
+    absl's own file as their origin."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
+        if record.levelno >= logging.WARNING:
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:
+            if _ORBAX_DIR in frame.f_code.co_filename:
+                return False
+            frame = frame.f_back
+        return True
 
     def install(self, on: bool) -> None:
         absl_logger = logging.getLogger("absl")
@@ -598,6 +611,7 @@ class _OrbaxInfoFilter(logging.Filter):
             absl_logger.removeFilter(self)
 
 
+_ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 _orbax_info_filter = _OrbaxInfoFilter()
 
 
@@ -1010,7 +1024,7 @@ class JaxCheckpointer:
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
         """
         global _restore_called_in_process
-        target = _as_saved(target, "restore target")
+        target = _as_saved(target, "restore target", host_values="keep")
         _check_target_shardings(target)
         self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
