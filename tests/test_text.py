@@ -380,6 +380,13 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
         build_lm_dataset(hf, str(tmp_path / "tok"), short)
     assert f"2 of the first 2 conversations are longer than max_sequence_length={short} tokens (the longest " \
            f"{max(lengths)})" in caplog.text
+    assert "empty content" not in caplog.text
+    # An empty answer trains an immediate end of turn: said, not silent.
+    blank = [m if m["role"] != "assistant" else {**m, "content": " "} for m in CHAT]
+    with caplog.at_level("WARNING"):
+        build_lm_dataset(datasets.Dataset.from_list([{"messages": blank}, {"messages": CHAT}]),
+                         str(tmp_path / "tok"), 128)
+    assert "1 of the first 2 conversations have an assistant turn with empty content" in caplog.text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

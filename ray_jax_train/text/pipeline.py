@@ -131,7 +131,7 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         _check_first_document(dataset, first[0], tok, resolved, text_column=text_column,
                               messages_column=messages_column)
         if kind == "messages":
-            _warn_if_conversations_are_split(dataset, tok, seq_len, messages_column)
+            _warn_about_sampled_conversations(dataset, tok, seq_len, messages_column)
     # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
     # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
     # constructor args (keeping actor restarts possible) instead of resolving it.
@@ -197,10 +197,13 @@ def _check_first_document(dataset, first_row: Mapping[str, Any], tokenizer, reso
 _SAMPLED_CONVERSATIONS = 64
 
 
-def _warn_if_conversations_are_split(dataset, tokenizer, seq_len: int, column: str) -> None:
-    """A conversation longer than a row is split into pieces trained apart: an answer past the cut no longer sees
-    its question. Right for long text, silently harmful for fine-tuning on chats, so the first conversations are
-    rendered here on the driver and a warning counts the long ones."""
+def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: str) -> None:
+    """What trains silently wrong in chat data, counted in the first conversations, rendered here on the driver:
+    a conversation longer than a row is split into pieces trained apart (an answer past the cut no longer sees
+    its question: right for long text, harmful for fine-tuning on chats), and an assistant turn with empty content
+    teaches the model to end its turn at once."""
+    import logging
+
     rows = dataset.take(_SAMPLED_CONVERSATIONS)
     conversations = []
     for row in rows:
@@ -210,12 +213,17 @@ def _warn_if_conversations_are_split(dataset, tokenizer, seq_len: int, column: s
             conversations.append(list(value))
     if not conversations:
         return
+    log = logging.getLogger(__name__)
+    empty = sum(any(isinstance(m, Mapping) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
+                    for m in conv) for conv in conversations)
+    if empty:
+        log.warning("%d of the first %d conversations have an assistant turn with empty content: the model learns to "
+                    "answer their prompts by ending its turn at once. Drop those turns or fill them.",
+                    empty, len(conversations))
     lengths = [len(doc) for doc in encode_chats(tokenizer, conversations)[0]]
     long = [n for n in lengths if n > seq_len]
     if long:
-        import logging
-
-        logging.getLogger(__name__).warning(
+        log.warning(
             "%d of the first %d conversations are longer than max_sequence_length=%d tokens (the longest %d): each is "
             "split into rows trained apart, and an answer past a cut no longer sees its question. Raise "
             "training.max_sequence_length (up to the model's max_position_embeddings), or shorten or drop the long "
