@@ -500,6 +500,12 @@ def _answer_a_second_initialize(num_processes: int, process_id: int, coordinator
     jax.distributed.initialize = initialize
 
 
+def _sigterm_is_shutdown():
+    from ray_jax_train.checkpoint import signals
+
+    signals.deactivate_sigterm_handler()
+
+
 def _shutdown_worker():
     import jax
 
@@ -702,6 +708,12 @@ class _JaxBackend(Backend):
         return num_slices, workers_per_slice
 
     def on_shutdown(self, worker_group, backend_config: JaxConfig):
+        # Ray ends the group with SIGTERMs after this: to the checkpointer's handler they are no preemption (the
+        # run failed, finished or was stopped), and its "a checkpoint will be saved" notice misled.
+        try:
+            ray.get(worker_group.execute_async(_sigterm_is_shutdown), timeout=5)
+        except Exception:  # noqa: BLE001 - a dead or hung worker: Ray ends it anyway
+            pass
         if not backend_config.distributed:  # the loop may own a jax.distributed job of its own; leave it be
             return
         futures = worker_group.execute_async(_shutdown_worker)

@@ -27,14 +27,16 @@ PROGRESS_NOTICE_LOGGER = "ray.data._internal.progress"
 # RAY_BACKEND_LOG_LEVEL (once per process), Ray Data's notice that the bars we turned off are off, and JAX's
 # coordinator address (an error names it where it matters).
 # Also Ray core's notice that an actor's constructor arguments are in the object store (Ray Data's and Train's own
-# actors), Ray Data's line per finished dataset run, gloo's connection count and a deprecation inside Ray Train.
+# actors), Ray Data's line per finished dataset run, gloo's connection count, a deprecation inside Ray Train, and
+# Train's cleaner reporting each finished run's placement group (a Tune trial that ASHA stopped, say).
 _NOTICE_LINES = re.compile(r"logging\.cc:\d+: Set ray log level from environment variable"
                            r"|Progress bars disabled\. To enable, set"
                            r"|(Starting|Connecting to) JAX distributed service on "
                            r"|has constructor arguments in the object store and max_restarts > 0"
                            r"|Dataset \S+ execution finished in [\d.]+ seconds"
                            r"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
-                           r"|ExecutionOptions\.exclude_resources` is deprecated|self\.exclude_resources = exclude_res")
+                           r"|ExecutionOptions\.exclude_resources` is deprecated|self\.exclude_resources = exclude_res"
+                           r"|Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 

@@ -303,7 +303,7 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert _max_diff(exported_params, state["params"]) < 1e-5
 
 
-def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_cluster, tmp_path):
+def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_cluster, tmp_path, capfd):
     """A learning rate far too high makes step 2 NaN. Logged every 4 steps and saved every step, the run stops at the
     step-2 save, on both workers, naming the step and the likely causes; step 1's checkpoint stays registered and no
     NaN checkpoint is written. Before, it trained on NaN weights to the end and saved them over the good ones."""
@@ -338,6 +338,11 @@ def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_clus
     params = rjt.checkpoint.restore(rjt.abstract_state({"params": split_model(create_model(CONFIG))[1]}),
                                     registered, partial=True).state["params"]
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+    # Ray ends a failed run's workers with SIGTERM, which the checkpointer took for a preemption: "a checkpoint will
+    # be saved at the next preemption check" followed every failure. (The workers' output reaches the driver
+    # asynchronously; it had long arrived by now: the restore above took seconds.)
+    captured = capfd.readouterr()
+    assert "SIGTERM received" not in captured.out + captured.err
 
 
 @pytest.mark.parametrize("total_steps,save_steps", [(3, 1), (1, 2)], ids=["periodic-save", "final-save-and-model"])
