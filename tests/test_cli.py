@@ -378,6 +378,16 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     from ray_jax_train.run_config import hf_tokenizer_dir as _hf_tokenizer_dir
 
     train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
+    # A type contradicting config.json, and an architecture there is no model for: config errors, exit 2 (the second
+    # was a traceback).
+    with pytest.raises(ConfigError, match=r"model.type: 'qwen2' contradicts model.init_from's config.json"):
+        parse_config({**tiny, "model": {"init_from": str(hf_dir), "type": "qwen2"}})
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    (gpt2 / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"model.init_from: .*model_type='gpt2' .* is not supported"):
+        parse_config({**tiny, "model": {"init_from": str(gpt2)}, "tokenizer": {"path": str(hf_dir)}})
     # Sizes left out come from its config.json: that model is the one fine-tuned.
     config = parse_config({**tiny, "model": {"init_from": str(hf_dir), "remat": True}})
     assert config.llama_config() == hf.replace(remat=True)
@@ -395,6 +405,14 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     assert _hf_tokenizer_dir(config) == str(hf_dir)
     trial = parse_config({**tiny, "model": {"init_from": str(hf_dir)}, "tokenizer": {"path": str(hf_dir)}})
     assert trial.llama_config().hidden_size == 64
+
+
+def test_set_names_the_space_yaml_needs_after_a_colon():
+    from ray_jax_train.run_config import ConfigError, apply_overrides
+
+    with pytest.raises(ConfigError, match=r"space after each colon.*--set 'scaling.mesh=\{dp: 1, fsdp: 1, tp: 2\}'"):
+        apply_overrides({}, ["scaling.mesh={dp:1,fsdp:1,tp:2}"])
+    assert apply_overrides({}, ["scaling.mesh={dp: 1, tp: 2}"])["scaling"]["mesh"] == {"dp": 1, "tp": 2}
 
 
 def test_set_reaches_a_dotted_search_key():

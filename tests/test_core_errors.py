@@ -322,7 +322,16 @@ def test_local_mode_runs_the_loop_here_without_starting_ray(monkeypatch, caplog)
     def loop():
         import ray_jax_train as rjt
 
-        return dict(rjt.get_mesh().shape)
+        errors = []
+        try:  # local mode has no run storage: say so, not Ray's "Local storage context not yet implemented"
+            rjt.JaxCheckpointer().restore({})
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        try:  # a name typo: the message workers give, not a bare AssertionError
+            rjt.iter_jax_batches("trian", batch_size=4, mesh=rjt.get_mesh())
+        except ValueError as exc:
+            errors.append(str(exc))
+        return dict(rjt.get_mesh().shape), errors
 
     with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
         # A mesh that fits no worker: local mode does not apply it, so the driver does not check it.
@@ -330,7 +339,10 @@ def test_local_mode_runs_the_loop_here_without_starting_ray(monkeypatch, caplog)
                                  jax_config=rjt.JaxConfig(mesh={"dp": 3}))
     assert "local mode" in caplog.text and "not applied" in caplog.text
     result = trainer.fit()
-    assert result.return_value == {"dp": 4}  # this process's 4 CPU devices (conftest)
+    shape, errors = result.return_value
+    assert shape == {"dp": 4}  # this process's 4 CPU devices (conftest)
+    assert len(errors) == 2 and "Checkpoints need a run with Ray Train workers" in errors[0], errors
+    assert "No dataset named 'trian' was given to the trainer" in errors[1], errors
     assert ray.is_initialized() == ray_was_up
 
 
