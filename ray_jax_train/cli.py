@@ -14,6 +14,7 @@ Ray address: --address, else RAY_ADDRESS (set by `ray job submit`), else run.add
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -147,6 +148,20 @@ def _resume_hint(args, name: str) -> str:
     return "ray-jax-train fit " + shlex.quote(args.config) + "".join(f" --set {shlex.quote(s)}" for s in sets)
 
 
+def _resume_point(run_dir: str) -> str:
+    """Where a resume of `run_dir` would start: its newest finished checkpoint (registered with Ray or not)."""
+    import re
+
+    from ray_jax_train.lm.export import _resolve
+
+    try:
+        checkpoint, _ = _resolve(run_dir)
+    except (FileNotFoundError, OSError, ValueError):
+        return "(no checkpoint saved yet: it starts over)"
+    found = re.search(r"checkpoint_(\d+)", checkpoint.rsplit("/", 1)[-1])
+    return f"(from the checkpoint of step {int(found.group(1))})" if found else f"(from {checkpoint})"
+
+
 def _warn_if_in_ray_package_cache(path: str) -> None:
     from ray_jax_train.storage import in_ray_package_cache
 
@@ -182,7 +197,8 @@ def cmd_fit(args) -> int:
     try:
         result = trainer.fit()
     except KeyboardInterrupt:  # exit 130 in main; the run resumes from its latest checkpoint
-        print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}", file=sys.stderr)
+        print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}  {_resume_point(info['run_dir'])}",
+              file=sys.stderr)
         raise
     except Exception as exc:  # the run failed after it started: exit 1, not 2
         return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]))
@@ -198,8 +214,16 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
     cause = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__
-    text = str(cause).strip().splitlines()
-    print(f"[ray-jax-train] training failed: {type(cause).__name__}: {text[-1] if text else ''}", file=sys.stderr)
+    failures = getattr(cause, "worker_failures", None)
+    if failures:
+        # The workers' own exception: Ray's WorkerGroupError text is a traceback whose middle Ray cuts out of long
+        # messages, so its last line could start mid-word and hide the error's type.
+        cause = failures[min(failures)]
+        message = str(cause).strip()
+    else:
+        text = str(cause).strip().splitlines()
+        message = text[-1] if text else ""
+    print(f"[ray-jax-train] training failed: {type(cause).__name__}: {message}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
@@ -305,6 +329,11 @@ def cmd_generate(args) -> int:
     from ray_jax_train.text import load_tokenizer
 
     model_dir = args.model_dir
+    if os.path.isfile(os.path.join(model_dir, "best.json")):  # a Tune search: its best trial's run
+        with open(os.path.join(model_dir, "best.json")) as f:
+            model_dir = json.load(f).get("run_dir") or model_dir
+        print(f"[ray-jax-train] {args.model_dir} is a Tune search: generating with its best trial, {model_dir}",
+              file=sys.stderr)
     if os.path.isfile(os.path.join(model_dir, "final_model", "config.json")):
         model_dir = os.path.join(model_dir, "final_model")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

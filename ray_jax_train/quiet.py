@@ -36,7 +36,8 @@ _NOTICE_LINES = re.compile(r"logging\.cc:\d+: Set ray log level from environment
                            r"|Dataset \S+ execution finished in [\d.]+ seconds"
                            r"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
                            r"|ExecutionOptions\.exclude_resources` is deprecated|self\.exclude_resources = exclude_res"
-                           r"|Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group")
+                           r"|Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group"
+                           r"|Failed to query Ray Train Controller actor state\. State API may be temporarily")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 

@@ -307,6 +307,12 @@ class ExperimentConfig(_Section):
                 f"would stop those trials at step {s.max_t}, mid-schedule and without their final checkpoint, and "
                 "count them as finished. Leave max_t out (ASHA then runs a trial to its end; grace_period and "
                 f"reduction_factor still stop weak trials early), or search training.total_steps only up to {s.max_t}")
+        if s.type in ("asha", "median") and longest and s.grace_period >= longest:
+            raise ConfigError(
+                f"tune.scheduler.grace_period={s.grace_period} is not below the longest trial's training.total_steps "
+                f"({longest}): the {s.type} scheduler only stops trials after grace_period steps, so it would stop "
+                f"none and every trial would run to its end. Set grace_period below {longest} (e.g. "
+                f"{max(1, longest // 10)}), or scheduler.type: fifo to run every trial out on purpose")
 
     def _check_trial_values(self, max_combinations: int = 256) -> None:
         """Every listed value and range end of the search must make a valid config with some choice of the other
@@ -314,27 +320,42 @@ class ExperimentConfig(_Section):
         search whose every trial fails. Searches with more combinations than `max_combinations` are not checked."""
         data = self.model_dump(mode="json")
         data["tune"] = None
-        candidates = {key: search_candidates(spec) for key, spec in self.tune.param_space.items()}
+        space = self.tune.param_space
+        candidates = {key: search_candidates(spec, interior=True) for key, spec in space.items()}
         if math.prod(len(v) for v in candidates.values()) > max_combinations:
             return
         keys = list(candidates)
+        grid_keys = [k for k in keys if isinstance(space[k], dict) and "grid_search" in space[k]]
         failures: Dict[Tuple[str, int], str] = {}
         passed = set()
+        grid_failures: Dict[Tuple[int, ...], str] = {}
+        grid_passed = set()
         for combination in itertools.product(*(range(len(candidates[k])) for k in keys)):
             trial = json.loads(json.dumps(data))
             for key, index in zip(keys, combination):
                 section, name = key.split(".", 1)
                 trial[section] = {**(trial.get(section) or {}), name: candidates[key][index]}
+            grid_point = tuple(index for key, index in zip(keys, combination) if key in grid_keys)
             try:
                 parse_config(trial).training_arguments()
                 passed.update(zip(keys, combination))
+                grid_passed.add(grid_point)
             except ValueError as exc:  # ConfigError included
                 for item in zip(keys, combination):
                     failures.setdefault(item, str(exc))
+                grid_failures.setdefault(grid_point, str(exc))
         for (key, index), error in failures.items():
             if (key, index) not in passed:
+                hint = _whole_number_hint(space[key]) if index == 2 and "integer" in error else ""
                 raise ConfigError(f"tune.param_space.{key}: trials given {candidates[key][index]!r} would fail: "
-                                  f"{error}")
+                                  f"{error}{hint}")
+        # Every combination of grid values runs (random keys are drawn per trial), so each must work.
+        for grid_point, error in grid_failures.items():
+            if grid_point not in grid_passed:
+                named = ", ".join(f"{k}={candidates[k][i]!r}" for k, i in zip(grid_keys, grid_point))
+                raise ConfigError(f"tune.param_space: the grid runs every combination of its values, and the trial "
+                                  f"given {named} would fail: {error}\n  Drop one of those values, or search the valid "
+                                  "combinations in separate runs.")
 
     # -- what the trainer needs ---------------------------------------------------------------------------
 
@@ -427,6 +448,12 @@ class ExperimentConfig(_Section):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"tune.metric: {metric!r} is not a metric a search can rank trials by. {hint}"
                               f"Use one of: {', '.join(rankable)}")
+        better = {"loss": "min", "perplexity": "min", "eval_loss": "min", "eval_perplexity": "min",
+                  "step_time_s": "min", "tokens_per_s": "max", "mfu": "max"}.get(metric)
+        if better is not None and self.tune.mode != better:
+            raise ConfigError(f"tune.mode: {self.tune.mode!r} would pick the trial with the "
+                              f"{'highest' if better == 'min' else 'lowest'} {metric}, the worst one; set tune.mode: "
+                              f"{better}")
         if metric.startswith("eval_") and not self.has_eval_data():
             raise ConfigError(f"tune.metric: {metric!r} needs eval data; set data.eval_source (or, for the stdlib "
                               "corpus, data.eval_fraction > 0), or tune on 'loss'")
@@ -820,14 +847,32 @@ def hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
     return None
 
 
-def search_candidates(spec: Any) -> List[Any]:
-    """The values a search space entry can give, ranges as their two ends (randint's high end is exclusive)."""
+def search_candidates(spec: Any, *, interior: bool = False) -> List[Any]:
+    """The values a search space entry can give, ranges as their two ends (randint's high end is exclusive).
+
+    `interior` adds, for a float range, one value Tune could sample from inside it: the ends of `uniform: [0, 10]`
+    are whole numbers that an integer setting takes, the 3.7 that Tune samples is not."""
     kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
     if kind == "randint":
         return [values[0], values[1] - 1]
     if kind in ("uniform", "loguniform", "quniform"):
-        return list(values[:2])
+        ends = list(values[:2])
+        if interior and kind != "quniform" and ends[0] != ends[1]:
+            low, high = float(ends[0]), float(ends[1])
+            inside = low * (high / low) ** 0.37 if kind == "loguniform" else low + 0.37 * (high - low)
+            ends.append(inside if inside != int(inside) else inside + 0.01 * (high - low))
+        return ends
     return list(values)
+
+
+def _whole_number_hint(spec: Any) -> str:
+    """For a float range over what may be an integer setting: the range Tune would sample whole numbers from."""
+    kind, values = next(iter(spec.items()))
+    low, high = values[0], values[1]
+    if kind == "uniform" and float(low).is_integer() and float(high).is_integer():
+        return (f'\n  Tune samples floats from {{"{kind}": {list(values)}}}; for whole numbers use {{"randint": '
+                f'[{int(low)}, {int(high) + 1}]}} (its high end is exclusive).')
+    return f'\n  Tune samples floats from {{"{kind}": {list(values)}}}; for whole numbers use randint or choice.'
 
 
 def trial_lengths(base_steps: Optional[int], param_space: Dict[str, Any]) -> Tuple[int, bool]:

@@ -8,7 +8,9 @@ import math
 import os
 from typing import Any, Callable, Dict, Optional, Union
 
+import ray
 from ray.train import DataConfig
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -124,7 +126,31 @@ class JaxTrainer(DataParallelTrainer):
         signal.signal(signal.SIGINT, note_then_abort)
 
     def _create_default_callbacks(self):
-        return _without_blind_cleaner(super()._create_default_callbacks())
+        return _without_blind_cleaner(super()._create_default_callbacks()) + [AbortIsNoPreemption()]
+
+
+class AbortIsNoPreemption(WorkerGroupCallback):
+    """Ray aborts a run (Ctrl-C on the driver) by killing its workers; their checkpointer's SIGTERM handler would
+    take that for a preemption, promise a checkpoint, and train on until the kill. Told first, they just exit."""
+
+    def __init__(self):
+        self._worker_group = None
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self._worker_group = worker_group
+
+    def after_worker_group_shutdown(self, worker_group_context) -> None:
+        self._worker_group = None
+
+    def before_worker_group_abort(self, worker_group_context) -> None:
+        if self._worker_group is None:
+            return
+        from ray_jax_train.backend import _sigterm_is_shutdown
+
+        try:
+            ray.get(self._worker_group.execute_async(_sigterm_is_shutdown), timeout=5)
+        except Exception:  # noqa: BLE001 - a dead or hung worker: Ray kills it anyway
+            pass
 
 
 def _as_our_jax_config(jax_config) -> Optional[JaxConfig]:

@@ -27,7 +27,7 @@ from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, Experime
                                       apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
                                       hf_tokenizer_dir, parse_config, read_file, trained_tokenizer_dir,
                                       trial_lengths)
-from ray_jax_train.quiet import quiet_data_context, quiet_worker
+from ray_jax_train.quiet import filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -224,16 +224,34 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         quiet: bool = True, resume: bool = False, resume_errored: bool = False) -> TuneOutcome:
     """Run the search described by the config's `tune:` section (or `param_space` / `num_samples` here).
 
-    Ray must be initialised (the CLI does it). Trials run `max_concurrent_trials` at a time; with
+    Starts Ray as `JaxTrainer.fit()` does where it is not running (a private local Ray, or the cluster
+    `RAY_ADDRESS` names); `quiet` leaves the workers' start-up notices out of this process's output, as the
+    CLI does. Trials run `max_concurrent_trials` at a time; with
     `scaling.gpus_per_worker` < 1 several trials share a GPU and JAX is told not to preallocate it.
     `resume`: continue the search saved under this name if there is one (else start it): finished trials are
     kept, unfinished ones resume from their latest checkpoints, and errored ones stay failed unless
     `resume_errored`. The config must be the one the search started with (ConfigError otherwise).
     """
+    import ray
+
+    base = search_config(config, overrides=overrides, param_space=param_space, num_samples=num_samples)
+    if not ray.is_initialized():
+        from ray_jax_train.quiet import QUIET_ENV
+        from ray_jax_train.trainer import init_ray
+
+        init_ray(**({"runtime_env": {"env_vars": dict(QUIET_ENV)}} if quiet else {}))
+    undo_filter = filter_worker_notices() if quiet else None
+    try:
+        return _run(base, quiet=quiet, resume=resume, resume_errored=resume_errored)
+    finally:
+        if undo_filter is not None:
+            undo_filter()
+
+
+def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: bool) -> TuneOutcome:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    base = search_config(config, overrides=overrides, param_space=param_space, num_samples=num_samples)
     tune_cfg = base.tune
     check_cluster_fits(base.scaling)
     name, storage = search_name(base), base.run.storage_path

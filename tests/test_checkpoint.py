@@ -1,6 +1,7 @@
 """Checkpoints on real Ray workers and real orbax on disk: exact resume through kills, elastic restore,
 corrupt-checkpoint fallback, retention, SIGTERM saves. Workers report back through files in tmp_path."""
 import json
+import logging
 import shutil
 import os
 import re
@@ -412,6 +413,35 @@ def test_sigterm_is_seen_when_every_check_falls_on_a_periodic_save(monkeypatch):
             assert signals.sigterm_received() == exit_after  # kept training: handled, the grace timer is off
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_after_the_controller_died_ends_the_worker_without_a_save(monkeypatch, caplog):
+    """Ray ends the workers of a run whose owner went (a stopped Tune trial, a killed driver) with SIGTERMs once
+    the controller is dead: no preemption notice, no save, the worker goes at once (it trained on until killed).
+    The controller's death is faked here (this process has none); the other answer is the tests above."""
+    import signal
+
+    from ray_jax_train.checkpoint import JaxCheckpointer, signals
+
+    released, saved = [], []
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(signals, "_sigterm", signals._SigtermState())
+    monkeypatch.setattr(signals, "release_sigterm", lambda: released.append(time.time()))
+    monkeypatch.setattr(signals, "_run_controller_is_gone", lambda: True)
+    try:
+        ckpt = JaxCheckpointer(preemption_check_every=1, sigterm_grace_s=60)
+        ckpt.save = lambda step, state, **kwargs: saved.append(step)
+        with caplog.at_level(logging.WARNING, logger="ray_jax_train.checkpoint"):
+            assert not ckpt.maybe_save(1, None)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not released and time.time() < deadline:
+                time.sleep(0.01)
+            assert released and not signals.sigterm_received() and not signals._sigterm.active
+            assert not ckpt.maybe_save(2, None) and saved == []
+        assert "SIGTERM received" not in caplog.text, caplog.text
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def rollback_loop(config):

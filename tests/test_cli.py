@@ -90,6 +90,16 @@ BAD = [
                                                                 "training.total_steps": {"choice": [100, 200]}}}},
      [], ["trials given 300 would fail", "warmup_steps=300"]),
     ({"scaling": {"cpus_per_worker": 0}}, [], ["scaling", "no resources at all", "cpus_per_worker > 0"]),
+    # Its ends are whole numbers, the values Tune samples are not (every trial failed once Ray was up).
+    ({"tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 10]}}}}, [],
+     ["training.warmup_steps: trials given 3.7 would fail", "valid integer", '{"randint": [0, 11]}']),
+    # A grid runs every combination: (32, 3) cannot be valid, though each value is with the other's other value.
+    ({"tune": {"param_space": {"model.hidden_size": {"grid_search": [32, 48]},
+                               "model.num_attention_heads": {"grid_search": [2, 3]}}}}, [],
+     ["the grid runs every combination", "model.hidden_size=32, model.num_attention_heads=3", "not divisible"]),
+    ({"tune": {"metric": "tokens_per_s"}}, [], ["tune.mode: 'min' would pick", "lowest tokens_per_s", "mode: max"]),
+    ({"training": {"total_steps": 60}, "tune": {"scheduler": {"grace_period": 100}}}, [],
+     ["grace_period=100 is not below", "(60)", "stop none"]),
 ]
 
 
@@ -102,6 +112,11 @@ def test_a_search_valid_only_with_its_other_values_passes(tmp_path, capsys):
     code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
     assert code == 0, err
     data["tune"] = {"param_space": {"training.total_steps": 200, "training.warmup_steps": {"choice": [100]}}}
+    code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
+    assert code == 0, err
+    # A random key next to a grid needs only some of its values to work with each grid point.
+    data["tune"] = {"param_space": {"model.hidden_size": {"choice": [32, 48]},
+                                    "model.num_attention_heads": {"grid_search": [2, 3]}}}
     code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
     assert code == 0, err
 
@@ -210,6 +225,17 @@ def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster,
     assert code == 1
     assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
     assert f"resume:  ray-jax-train fit {TINY} --set run.name=x" in err  # e.g. once a lost node is back
+
+    # Ray cuts the middle out of long worker errors in WorkerGroupError's text: the workers' own error is named.
+    from ray.train import WorkerGroupError
+
+    from ray_jax_train.checkpoint import CheckpointMismatchError
+
+    real = CheckpointMismatchError("/runs/x/checkpoint_000000030 holds a different train state than this run builds")
+    Failing.fit = lambda self: (_ for _ in ()).throw(
+        WorkerGroupError("Training failed...\n...tate than this run builds", {1: real, 0: real}))
+    code, _, err = run(["fit", TINY], capsys)
+    assert code == 1 and "training failed: CheckpointMismatchError: /runs/x/checkpoint_000000030 holds" in err, err
 
 
 def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch):
@@ -503,6 +529,9 @@ def test_ctrl_c_during_fit_exits_130_with_the_resume_command(tmp_path):
                 fit.kill()
     text = log.read_text()
     assert "ray-jax-train: interrupted" in text and "resume:" in text and "run.name=sigint" in text, text[-3000:]
+    assert "(no checkpoint saved yet: it starts over)" in text or "(from the checkpoint of step" in text, text[-3000:]
+    # Ray aborts the run by killing its workers: no preemption notice promising a checkpoint that never comes.
+    assert "SIGTERM received" not in text, text[-3000:]
 
 
 def test_a_private_ray_names_its_dashboard_to_its_own_processes():

@@ -126,6 +126,9 @@ def test_scratch_two_workers_lower_the_loss(scratch_run):
     final = os.path.join(result.path, "final_model")
     assert os.path.isfile(os.path.join(final, "model.safetensors"))
     assert os.path.isfile(os.path.join(final, "tokenizer.json"))
+    # readable as config.json is (safetensors writes 0600), for a serving job under another user
+    mode = os.stat(os.path.join(final, "model.safetensors")).st_mode & 0o777
+    assert mode == os.stat(os.path.join(final, "config.json")).st_mode & 0o777, oct(mode)
 
 
 def test_profile_window_is_traced_on_every_worker(scratch_run):

@@ -3,7 +3,10 @@
 SIGTERM: the first one only sets a flag; the checkpointer sees it at its next preemption check (agreed across
 all workers, since a save is collective), saves, waits until Ray has registered the checkpoint, and then
 re-raises SIGTERM so that Ray's own handler ends the worker and Ray restarts the group from that checkpoint.
-A second SIGTERM, or `grace_s` without a save, ends the worker the ordinary way.
+A second SIGTERM, or `grace_s` without a save, ends the worker the ordinary way. So does a SIGTERM that comes
+after the run's controller died: Ray ending the workers of a stopped Tune trial or a killed driver, where no
+checkpoint could be registered. (Ctrl-C on the driver aborts through the controller, whose abort tells the
+workers first: see the backend's `AbortIsNoPreemption`.)
 
 Python only lets the main thread install signal handlers, and a Ray Train loop runs in a side thread, so the
 handler is installed by a call on the worker actor itself (a plain actor runs its methods on the main thread).
@@ -29,6 +32,8 @@ class _SigtermState:
     received_at: Optional[float] = None
     handled = False  # its checkpoint is saved and the worker keeps training (exit_after_sigterm_save=False)
     timer: Optional[threading.Timer] = None
+    releasing = False  # release_sigterm's own SIGTERM is on its way
+    preemption = False  # the SIGTERM came while the run's controller lives: a notice, not Ray ending the run
     previous = None
     grace_s = 120.0
 
@@ -37,8 +42,8 @@ _sigterm = _SigtermState()
 
 
 def sigterm_received() -> bool:
-    """A SIGTERM arrived and still asks for a checkpoint."""
-    return _sigterm.received_at is not None and not _sigterm.handled
+    """A SIGTERM arrived, was found to be no teardown of the run, and still asks for a checkpoint."""
+    return _sigterm.received_at is not None and _sigterm.preemption and not _sigterm.handled
 
 
 def sigterm_handled() -> None:
@@ -63,17 +68,45 @@ def _handler(signum, frame):
         _exit_the_ordinary_way(signum, frame)
         return
     if _sigterm.received_at is not None:
-        logger.warning("Second SIGTERM: exiting now.")
+        if not _sigterm.releasing:  # not the one release_sigterm sends itself
+            logger.warning("Second SIGTERM: exiting now.")
         _exit_the_ordinary_way(signum, frame)
         return
     _sigterm.received_at = time.time()
+    # A preemption, or Ray ending the run (its controller gone: a stopped Tune trial, a killed driver)? Asking the
+    # controller takes a round trip, which a signal handler must not wait for.
+    threading.Thread(target=_preemption_or_teardown, daemon=True, name="sigterm-check").start()
+
+
+def _preemption_or_teardown() -> None:
+    if not _sigterm.active or _run_controller_is_gone():
+        _sigterm.active = False
+        release_sigterm()  # ends the worker now, as Ray's own handler would have
+        return
+    _sigterm.preemption = True
     logger.warning(
-        "SIGTERM received: a checkpoint will be saved at the next preemption check (then the worker exits; "
-        "exits anyway in %.0fs).", _sigterm.grace_s,
+        "SIGTERM received: the workers save a checkpoint at their next preemption check, then this worker exits "
+        "(it exits anyway in %.0fs).", _sigterm.grace_s,
     )
     _sigterm.timer = threading.Timer(_sigterm.grace_s, lambda: release_sigterm())
     _sigterm.timer.daemon = True
     _sigterm.timer.start()
+
+
+def _run_controller_is_gone(timeout_s: float = 5.0) -> bool:
+    """Whether this worker's Ray Train controller is dead. Ray kills a run's workers right after their controller
+    when whoever owned the run (a Tune trial, a driver) goes: no one would register a checkpoint saved then."""
+    try:
+        import ray
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        controller = get_train_context().controller_actor
+        ray.get(controller.__ray_ready__.remote(), timeout=timeout_s)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - no train context, a slow controller: treat it as the preemption it may be
+        return False
 
 
 def _install_on_main_thread(grace_s: float) -> bool:
@@ -113,6 +146,7 @@ def deactivate_sigterm_handler() -> None:
 def release_sigterm() -> None:
     """After the preemption checkpoint (or the grace period): let the pending SIGTERM end the worker."""
     if _sigterm.received_at is not None:
+        _sigterm.releasing = True
         os.kill(os.getpid(), signal.SIGTERM)
 
 

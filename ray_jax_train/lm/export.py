@@ -121,7 +121,15 @@ def _resolve(source: str):
             logger.warning("Exporting %s, a finished checkpoint newer than the last one Ray registered (the run "
                            "stopped before registering it).", newer[0].uri)
         return f"{where}/{name.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
+    if has("best.json"):  # a Tune search's directory: its best trial is what a user exports
+        best = _read_json(fs, f"{path}/best.json").get("checkpoint")
+        if best:
+            logger.warning("%s is a Tune search: exporting its best trial's checkpoint, %s.", source, best)
+            return _resolve(best)
     hint = " It is a Hugging Face model directory already." if has("config.json") else ""
+    if has("metrics.jsonl"):
+        hint = (" It is a run that saved no checkpoint (it stopped before its first save; training.save_steps "
+                "sets how often it saves).")
     raise FileNotFoundError(
         f"{source} is neither a ray_jax_train checkpoint (no {_CHECKPOINT_MARK}) nor a Ray Train run directory "
         f"(no {_RUN_MARK}).{hint}")

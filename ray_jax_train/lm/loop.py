@@ -128,6 +128,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
         restored = checkpointer.restore(abstract_state(state))
         if restored is not None:
+            if rank0:
+                _warn_about_changed_settings(restored, state["opt_state"], args.scheduler, total_steps)
             restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             resumed_at = restored.step
@@ -502,6 +504,33 @@ def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
     loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "grad_norm": float(stacked["grad_norm"][-1]),
             "loss_tokens": float(np.sum(tokens))}
+
+
+def _warn_about_changed_settings(restored, current_opt_state, scheduler: str, total_steps: int) -> None:
+    """A resume trains with this run's optimizer numbers; say so where they differ from the checkpoint's (a longer
+    total_steps restarts the decay from a higher rate), and when the checkpoint leaves nothing to train."""
+    from ray_jax_train.lm.step import changed_hyperparameters, hyperparameter_values, schedule_value
+
+    if restored.step >= total_steps:
+        logger.warning("The checkpoint %s is at step %d, at or past this run's total_steps=%d: nothing is left to "
+                       "train (the final model is written from it). Raise training.total_steps to train on.",
+                       restored.path, restored.step, total_steps)
+        return
+    changed = changed_hyperparameters(restored.state["opt_state"], current_opt_state)
+    if not changed:
+        return
+    hp = hyperparameter_values(current_opt_state)
+
+    def rate(numbers):
+        return float(schedule_value(restored.step, scheduler=scheduler, peak=numbers["peak_learning_rate"],
+                                    end=numbers["end_learning_rate"], warmup=numbers["warmup_steps"],
+                                    total=numbers["total_steps"]))
+
+    saved = {**hp, **{name: old for name, (old, _) in changed.items()}}
+    logger.warning("Resuming from %s with other optimizer settings than it was saved with: %s. The run trains on with "
+                   "this config's numbers: the learning rate of step %d is %.3g (%.3g with the saved ones).",
+                   restored.path, ", ".join(f"{name} {old:g} -> {new:g}" for name, (old, new) in changed.items()),
+                   restored.step + 1, rate(hp), rate(saved))
 
 
 def _checkpointer(args, model_config):

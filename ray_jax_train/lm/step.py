@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -103,6 +104,21 @@ def keep_hyperparameters(restored_opt_state, current_opt_state):
     if hasattr(restored_opt_state, "hyperparams") and hasattr(current_opt_state, "hyperparams"):
         return restored_opt_state._replace(hyperparams=current_opt_state.hyperparams)
     return restored_opt_state
+
+
+def hyperparameter_values(opt_state) -> Dict[str, float]:
+    """The optimizer numbers an `inject_hyperparams` state holds, as host floats (replicated: any local copy)."""
+    def value(leaf) -> float:
+        return float(np.asarray(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf))
+
+    return {name: value(leaf) for name, leaf in getattr(opt_state, "hyperparams", {}).items()}
+
+
+def changed_hyperparameters(restored_opt_state, current_opt_state) -> Dict[str, Tuple[float, float]]:
+    """{name: (saved, this run's)} for the optimizer numbers `keep_hyperparameters` is about to replace."""
+    saved, current = hyperparameter_values(restored_opt_state), hyperparameter_values(current_opt_state)
+    return {name: (saved[name], new) for name, new in current.items()
+            if name in saved and not np.isclose(saved[name], new, rtol=1e-6, atol=0.0)}
 
 
 def loss_sums(graphdef, params, batch: Batch) -> Tuple[jax.Array, jax.Array]:

@@ -207,6 +207,15 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _save_readable(save_file, tensors, file: Path, metadata) -> None:
+    """safetensors writes through a private temporary file (mode 0600); give the weights the mode every other file
+    of the directory gets, or a serving job under another user on shared storage cannot read them."""
+    save_file(tensors, str(file), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+
+
 def save_pretrained(model: LlamaForCausalLM, path: PathLike, *, dtype: Any = None,
                     max_shard_size: Union[int, str, None] = None) -> Path:
     """Write ``config.json`` + safetensors with HF names so ``transformers`` can load the directory.
@@ -244,7 +253,7 @@ def save_pretrained(model: LlamaForCausalLM, path: PathLike, *, dtype: Any = Non
 
     meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     if max_shard_size is None:
-        save_file(tensors, str(path / "model.safetensors"), metadata=meta)
+        _save_readable(save_file, tensors, path / "model.safetensors", meta)
         return path
     limit = _parse_size(max_shard_size)
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -260,7 +269,7 @@ def save_pretrained(model: LlamaForCausalLM, path: PathLike, *, dtype: Any = Non
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(path / fname), metadata=meta)
+        _save_readable(save_file, shard, path / fname, meta)
         weight_map.update({k: fname for k in shard})
     with open(path / _INDEX, "w") as f:
         json.dump({"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},
