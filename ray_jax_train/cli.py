@@ -206,24 +206,27 @@ def cmd_fit(args) -> int:
     return EXIT_OK
 
 
-def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:
-    if verbose:
-        import traceback
-
-        traceback.print_exception(exc)
+def _error_line(exc: BaseException) -> str:
+    """`Type: message` of the error behind `exc`: the first worker's own exception where Ray wraps it (Ray's
+    WorkerGroupError text is a traceback whose middle Ray cuts out of long messages, so its last line could start
+    mid-word and hide the error's type), else the last line of the innermost cause."""
     cause = exc
     while cause.__cause__ is not None:
         cause = cause.__cause__
     failures = getattr(cause, "worker_failures", None)
     if failures:
-        # The workers' own exception: Ray's WorkerGroupError text is a traceback whose middle Ray cuts out of long
-        # messages, so its last line could start mid-word and hide the error's type.
         cause = failures[min(failures)]
-        message = str(cause).strip()
-    else:
-        text = str(cause).strip().splitlines()
-        message = text[-1] if text else ""
-    print(f"[ray-jax-train] training failed: {type(cause).__name__}: {message}", file=sys.stderr)
+        return f"{type(cause).__name__}: {str(cause).strip()}"
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc)
+    print(f"[ray-jax-train] training failed: {_error_line(exc)}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
@@ -232,13 +235,15 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
 
 
 def _summary(args, result, info, started: float) -> None:
-    from ray_jax_train.plot import read_records
+    from ray_jax_train.plot import parse_records, resumed_steps
+    from ray_jax_train.storage import join, read_text
 
     run_dir = info["run_dir"]
     try:
-        everything = read_records(run_dir)
+        text = read_text(join(run_dir, "metrics.jsonl"))
     except FileNotFoundError:
-        everything = []
+        text = ""
+    everything = parse_records(text)
     records = [r for r in everything if "loss" in r]
     evals = [r for r in everything if "eval_loss" in r]
     lines = ["", "=== ray-jax-train: done ===", f"run:         {info['name']} ({time.time() - started:.0f}s)"]
@@ -249,6 +254,10 @@ def _summary(args, result, info, started: float) -> None:
     if evals:
         lines.append(f"eval loss:   {evals[0]['eval_loss']:.3f} (step {evals[0]['step']}) -> "
                      f"{evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
+    relogged = resumed_steps(text)
+    if relogged:  # the group failed and resumed from a checkpoint (or this command resumed an earlier run)
+        lines.append(f"restarts:    {len(relogged)} (resumed from a checkpoint; logged again from step "
+                     f"{', '.join(map(str, relogged))})")
     lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     if result.checkpoint is not None:
         kept = len(getattr(result, "best_checkpoints", None) or [])
@@ -295,6 +304,8 @@ def cmd_tune(args) -> int:
     grid = outcome.results
     print("\n=== ray-jax-train: search done ===")
     print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {time.time() - started:.0f}s)")
+    for line in _trial_lines(grid, outcome, config.training.get("total_steps")):
+        print(line)
     print(f"best {outcome.metric}:  {outcome.best_metrics[outcome.metric]:.4f} with "
           + ", ".join(f"{k}={_get(outcome.best_config, k)}" for k in outcome.searched))
     print(f"best run:    {outcome.best_run_dir}")
@@ -302,6 +313,36 @@ def cmd_tune(args) -> int:
     print(f"summary:     {os.path.join(outcome.experiment_dir, 'best.json')} "
           "(ray_jax_train.tune.restore_best(DIR) loads the best parameters)")
     return EXIT_OK
+
+
+def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
+    """One line per trial: its searched values, last step and metric, and how it ended (finished, stopped early
+    by the scheduler, or failed, with the error)."""
+    def searched(result, dotted: str, default=None):  # Tune's trial config is nested: {"training": {...}}
+        section, key = dotted.split(".", 1)
+        return ((result.config or {}).get(section) or {}).get(key, default)
+
+    lines = []
+    for result in sorted(grid, key=lambda r: (r.metrics or {}).get("trial_id") or ""):
+        values = ", ".join(f"{k.split('.', 1)[-1]}={_short(searched(result, k))}" for k in outcome.searched)
+        metrics = result.metrics or {}
+        step, total = metrics.get("step"), searched(result, "training.total_steps", base_total_steps)
+        if result.error is not None:
+            ended = f"failed: {_error_line(result.error)[:200]}"
+        elif step is not None and total and step < total:
+            ended = "stopped early by the scheduler"
+        else:
+            ended = "finished"
+        value = metrics.get(outcome.metric)
+        shown = f"{outcome.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {outcome.metric}"
+        at = f"step {step}/{total}" if step is not None and total else f"step {step}" if step is not None else ""
+        best = "  <- best" if metrics.get("trial_id") == outcome.best_metrics.get("trial_id") else ""
+        lines.append(f"  {values}: {shown}, {at}, {ended}{best}".replace(", , ", ", "))
+    return lines
+
+
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else repr(value)
 
 
 def _get(config, dotted: str):

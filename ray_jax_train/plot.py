@@ -40,6 +40,20 @@ def read_records(run_dir: str) -> List[Dict]:
     return parse_records(text)
 
 
+def resumed_steps(text: str) -> List[int]:
+    """The steps a metrics.jsonl logs again, each the first step an attempt logged after resuming from a checkpoint
+    (the group failed and Ray restarted it, or the same run was started again)."""
+    steps = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and "loss" in record:
+            steps.append(int(record["step"]))
+    return [later for earlier, later in zip(steps, steps[1:]) if later <= earlier]
+
+
 def parse_records(text: str) -> List[Dict]:
     """The step records of a metrics.jsonl's text, the latest attempt's record of each step."""
     records: List[Dict] = []

@@ -4,7 +4,9 @@ errors always show."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import re
 from typing import Any, Callable, Dict
 
@@ -37,7 +39,10 @@ _NOTICE_LINES = re.compile(r"logging\.cc:\d+: Set ray log level from environment
                            r"|\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
                            r"|ExecutionOptions\.exclude_resources` is deprecated|self\.exclude_resources = exclude_res"
                            r"|Ray Train controller actor \(\w+\) is dead\. Cleaning up placement group"
-                           r"|Failed to query Ray Train Controller actor state\. State API may be temporarily")
+                           r"|Failed to query Ray Train Controller actor state\. State API may be temporarily"
+                           # Tune's trial actors ask for 0.1 CPU (they only wait on their Train run): Ray then
+                           # warns that it starts more worker processes than CPUs, which is meant.
+                           r"|PYTHON worker processes have been started on node")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 
@@ -79,7 +84,22 @@ def quiet_train_loop(config: Dict[str, Any]) -> None:
     from ray_jax_train.lm.loop import train_loop_per_worker
 
     quiet_worker()
-    return train_loop_per_worker(config)
+    try:
+        return train_loop_per_worker(config)
+    except Exception as exc:
+        import ray
+
+        if isinstance(exc, ray.exceptions.RayActorError):
+            from ray_jax_train.checkpoint.signals import _run_controller_is_gone
+
+            if _run_controller_is_gone():
+                # Ray is taking the run down (a Tune scheduler stopped the trial, the driver went): Train's own
+                # actors died under the loop, and the traceback Ray would print for it needs no reader.
+                logging.getLogger(__name__).info("The run was stopped (%s); this worker ends.", type(exc).__name__)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+        raise
 
 
 def quiet_run_settings() -> Dict[str, Any]:

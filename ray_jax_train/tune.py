@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
@@ -204,6 +205,13 @@ def _differences(old: Dict[str, Any], new: Dict[str, Any], prefix: str = ""):
     return out
 
 
+def _exits_are_not_errors(unraisable) -> None:
+    """A stopped trial's actor gets SIGTERM, and Ray's handler raises SystemExit wherever Python is, often inside a
+    garbage-collection callback, which prints it as an error ("Exception ignored in ...") though the stop was meant."""
+    if not isinstance(unraisable.exc_value, SystemExit):
+        sys.__unraisablehook__(unraisable)
+
+
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -254,6 +262,12 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
 
     tune_cfg = base.tune
     check_cluster_fits(base.scaling)
+    random = [k for k, v in tune_cfg.param_space.items() if isinstance(v, dict) and "grid_search" not in v]
+    if tune_cfg.num_samples > 1 and not random:
+        logger.warning("tune.num_samples=%d repeats every grid point, but nothing in the search is random, so the "
+                       "repeats train the same run again. To measure the spread over initial weights, search "
+                       "model.seed instead (e.g. {grid_search: [0, 1, 2]}) with num_samples: 1.",
+                       tune_cfg.num_samples)
     name, storage = search_name(base), base.run.storage_path
     experiment_dir = join(storage, name)
     resuming = (resume or resume_errored) and can_resume(base)
@@ -290,6 +304,7 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         if quiet:
             quiet_worker()
             quiet_data_context()
+            sys.unraisablehook = _exits_are_not_errors
         context = tune.get_context()
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",

@@ -97,6 +97,9 @@ BAD = [
     ({"tune": {"param_space": {"model.hidden_size": {"grid_search": [32, 48]},
                                "model.num_attention_heads": {"grid_search": [2, 3]}}}}, [],
      ["the grid runs every combination", "model.hidden_size=32, model.num_attention_heads=3", "not divisible"]),
+    ({"tune": {"param_space": {"training.lr": {"choice": [1e-3]}}}}, [], ["training.lr: unknown key",
+                                                                          "did you mean 'learning_rate'"]),
+    ({"tune": {"param_space": {"learning_rate": {"choice": [1e-3]}}}}, [], ["did you mean 'training.learning_rate'"]),
     ({"tune": {"metric": "tokens_per_s"}}, [], ["tune.mode: 'min' would pick", "lowest tokens_per_s", "mode: max"]),
     ({"training": {"total_steps": 60}, "tune": {"scheduler": {"grace_period": 100}}}, [],
      ["grace_period=100 is not below", "(60)", "stop none"]),
@@ -554,3 +557,24 @@ def test_a_private_ray_names_its_dashboard_to_its_own_processes():
     assert isinstance(with_named_dashboard({"dashboard_port": None})["dashboard_port"], int)
     remote = with_named_dashboard({"dashboard_host": "10.1.2.3", "dashboard_port": 8265})
     assert remote["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] == "http://10.1.2.3:8265"
+
+
+def test_the_summary_counts_restarts_from_the_steps_logged_again(tmp_path, capsys):
+    """A run whose group failed and resumed logs the steps after its checkpoint again; the summary says so (a
+    fault-tolerance review: nothing in the output told a restarted run from a clean one)."""
+    import argparse
+    import time
+    import types
+
+    from ray_jax_train.cli import _summary
+
+    steps = [2, 4, 6, 4, 6, 8, 8, 10]  # resumed at 2 (step 4 logged again), then at 6 (step 8 again)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n"
+                                                    for s in steps))
+    args = argparse.Namespace(config="c.yaml", overrides=[])
+    _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
+    out = capsys.readouterr().out
+    assert "restarts:    2 (resumed from a checkpoint; logged again from step 4, 8)" in out, out
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (2, 4)))
+    _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
+    assert "restarts" not in capsys.readouterr().out

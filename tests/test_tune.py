@@ -137,6 +137,15 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert sorted(cache_hits)[-2] >= 5, cache_hits
     assert max(last_steps.values()) == 4, last_steps  # the best trained to the end ...
     assert min(last_steps.values()) < 4, last_steps  # ... and ASHA stopped at least one trial early
+    # The summary gives every trial's outcome: finished or stopped early, with its value, the best marked.
+    trial_lines = [line for line in done.stdout.splitlines() if line.startswith("  learning_rate=")]
+    assert len(trial_lines) == 4, done.stdout[-3000:]
+    stopped = sum(1 for v in last_steps.values() if v < 4)
+    assert sum("stopped early by the scheduler" in line for line in trial_lines) == stopped, trial_lines
+    assert sum(line.endswith("<- best") for line in trial_lines) == 1 and "step 4/4, finished" in "".join(
+        line for line in trial_lines if line.endswith("<- best")), trial_lines
+    # A stopped trial's workers end quietly: no traceback from Train's actors dying under the loop.
+    assert "Error in training function" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
 
     best = json.loads((experiment / "best.json").read_text())
     assert best["config"]["training"]["learning_rate"] in (3e-3, 1e-3), last_steps
