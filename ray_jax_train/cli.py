@@ -154,10 +154,17 @@ def _resume_point(run_dir: str) -> str:
 
     from ray_jax_train.lm.export import _resolve
 
+    export_log = logging.getLogger("ray_jax_train.lm.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice: nothing is exported here
     try:
         checkpoint, _ = _resolve(run_dir)
-    except (FileNotFoundError, OSError, ValueError):
+    except FileNotFoundError:
         return "(no checkpoint saved yet: it starts over)"
+    except Exception:  # noqa: BLE001 - an unreadable run directory: the resume line itself still matters most
+        return "(from its latest checkpoint, if it saved one)"
+    finally:
+        export_log.setLevel(level)
     found = re.search(r"checkpoint_(\d+)", checkpoint.rsplit("/", 1)[-1])
     return f"(from the checkpoint of step {int(found.group(1))})" if found else f"(from {checkpoint})"
 
@@ -216,9 +223,13 @@ def _error_line(exc: BaseException) -> str:
     failures = getattr(cause, "worker_failures", None)
     if failures:
         cause = failures[min(failures)]
-        return f"{type(cause).__name__}: {str(cause).strip()}"
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+        lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+        message = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+    else:
+        text = str(cause).strip().splitlines()
+        message = text[-1] if text else ""
+    message = message if len(message) <= 600 else message[:600] + " ..."
+    return f"{type(cause).__name__}: {message}"
 
 
 def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:
@@ -328,7 +339,7 @@ def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
         metrics = result.metrics or {}
         step, total = metrics.get("step"), searched(result, "training.total_steps", base_total_steps)
         if result.error is not None:
-            ended = f"failed: {_error_line(result.error)[:200]}"
+            ended = f"failed: {_error_line(result.error)[:300]}"
         elif step is not None and total and step < total:
             ended = "stopped early by the scheduler"
         else:

@@ -41,17 +41,18 @@ def read_records(run_dir: str) -> List[Dict]:
 
 
 def resumed_steps(text: str) -> List[int]:
-    """The steps a metrics.jsonl logs again, each the first step an attempt logged after resuming from a checkpoint
-    (the group failed and Ray restarted it, or the same run was started again)."""
-    steps = []
+    """The first step each later attempt of a run logged: every attempt's first record carries its start-up facts
+    (`startup_s`), and an attempt after the first resumed from a checkpoint (the group failed and Ray restarted
+    it, or the same run was started again)."""
+    starts = []
     for line in text.splitlines():
         try:
             record = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and "loss" in record:
-            steps.append(int(record["step"]))
-    return [later for earlier, later in zip(steps, steps[1:]) if later <= earlier]
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and "startup_s" in record:
+            starts.append(int(record["step"]))
+    return starts[1:]
 
 
 def parse_records(text: str) -> List[Dict]:

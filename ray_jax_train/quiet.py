@@ -89,7 +89,7 @@ def quiet_train_loop(config: Dict[str, Any]) -> None:
     except Exception as exc:
         import ray
 
-        if isinstance(exc, ray.exceptions.RayActorError):
+        if isinstance(exc, ray.exceptions.ActorDiedError):
             from ray_jax_train.checkpoint.signals import _run_controller_is_gone
 
             if _run_controller_is_gone():

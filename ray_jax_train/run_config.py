@@ -85,6 +85,9 @@ def _model_section():
     fields: Dict[str, Any] = {
         "type": (Literal[tuple(SUPPORTED_MODEL_TYPES)], "llama"),
         "init_from": (Optional[str], None),
+        # EasyDeL's model-size index, as RayDistributedTrainer.train(scaling_index=...) takes it: k multiplies the
+        # section's widths and head counts (head_dim stays), so a search can vary the model's size in one key.
+        "scaling_index": (Optional[int], Field(None, ge=1)),
     }
     for name, info in LlamaConfig.model_fields.items():
         if name != "model_type":
@@ -94,8 +97,9 @@ def _model_section():
 
 
 ModelSection = _model_section()
-ModelSection.__doc__ = ("The architecture: `type` (llama, mistral, qwen2), any LlamaConfig field, and `init_from` "
-                        "(a ray_jax_train checkpoint or local HF model directory to start from).")
+ModelSection.__doc__ = ("The architecture: `type` (llama, mistral, qwen2), any LlamaConfig field, `init_from` "
+                        "(a ray_jax_train checkpoint or local HF model directory to start from), and "
+                        "`scaling_index` (k multiplies hidden_size, intermediate_size and the head counts).")
 
 
 class DataSection(_Section):
@@ -300,14 +304,14 @@ class ExperimentConfig(_Section):
         counts it as finished, so it could win the search. (max_t at or above the longest trial is raised to one
         past it.)"""
         s = self.tune.scheduler
-        longest, _ = trial_lengths(args.total_steps, self.tune.param_space)  # trials by epochs: unknown here
+        longest, by_epochs = trial_lengths(args.total_steps, self.tune.param_space)  # by epochs: unknown here
         if s.type == "asha" and s.max_t is not None and longest and s.max_t < longest:
             raise ConfigError(
                 f"tune.scheduler.max_t={s.max_t} is below the longest trial's training.total_steps ({longest}): ASHA "
                 f"would stop those trials at step {s.max_t}, mid-schedule and without their final checkpoint, and "
                 "count them as finished. Leave max_t out (ASHA then runs a trial to its end; grace_period and "
                 f"reduction_factor still stop weak trials early), or search training.total_steps only up to {s.max_t}")
-        if s.type in ("asha", "median") and longest and s.grace_period >= longest:
+        if s.type in ("asha", "median") and longest > 1 and not by_epochs and s.grace_period >= longest:
             raise ConfigError(
                 f"tune.scheduler.grace_period={s.grace_period} is not below the longest trial's training.total_steps "
                 f"({longest}): the {s.type} scheduler only stops trials after grace_period steps, so it would stop "
@@ -321,7 +325,7 @@ class ExperimentConfig(_Section):
         data = self.model_dump(mode="json")
         data["tune"] = None
         space = self.tune.param_space
-        candidates = {key: search_candidates(spec, interior=True) for key, spec in space.items()}
+        candidates = {key: search_candidates(spec) for key, spec in space.items()}
         if math.prod(len(v) for v in candidates.values()) > max_combinations:
             return
         keys = list(candidates)
@@ -346,9 +350,26 @@ class ExperimentConfig(_Section):
                 grid_failures.setdefault(grid_point, str(exc))
         for (key, index), error in failures.items():
             if (key, index) not in passed:
-                hint = _whole_number_hint(space[key]) if index == 2 and "integer" in error else ""
                 raise ConfigError(f"tune.param_space.{key}: trials given {candidates[key][index]!r} would fail: "
-                                  f"{error}{hint}")
+                                  f"{error}")
+        # A float range's ends may be whole numbers that an integer setting takes; the values Tune samples are not.
+        # One value from inside each range, beside ends that passed (kept out of the product: 3 values per range).
+        passing = next((c for c in itertools.product(*(range(len(candidates[k])) for k in keys))
+                        if all(item in passed for item in zip(keys, c))), None)
+        for key, spec in space.items():
+            inside = search_candidates(spec, interior=True)[2:]
+            if not inside or passing is None:
+                continue
+            trial = json.loads(json.dumps(data))
+            for other, index in zip(keys, passing):
+                section, name = other.split(".", 1)
+                value = inside[0] if other == key else candidates[other][index]
+                trial[section] = {**(trial.get(section) or {}), name: value}
+            try:
+                parse_config(trial).training_arguments()
+            except ValueError as exc:
+                raise ConfigError(f"tune.param_space.{key}: trials given {inside[0]!r} would fail: {exc}"
+                                  f"{_whole_number_hint(spec)}") from None
         # Every combination of grid values runs (random keys are drawn per trial), so each must work.
         for grid_point, error in grid_failures.items():
             if grid_point not in grid_passed:
@@ -372,7 +393,7 @@ class ExperimentConfig(_Section):
 
     def model_fields_set_values(self) -> Dict[str, Any]:
         return {k: v for k, v in self.model.model_dump().items()
-                if k not in ("type", "init_from") and v is not None}
+                if k not in ("type", "init_from", "scaling_index") and v is not None}
 
     def hf_init_dir(self) -> Optional[str]:
         """`model.init_from` when it is a local Hugging Face model directory."""
@@ -407,6 +428,17 @@ class ExperimentConfig(_Section):
                     f"is {hf['model_type']!r}: its weights are that architecture. Leave model.type out (it is taken "
                     "from config.json).")
             values = {**{k: v for k, v in hf.items() if v is not None and k != "model_type"}, **values}
+        index = self.model.scaling_index
+        if index not in (None, 1):
+            if hf_dir is not None:
+                raise ConfigError(f"model.scaling_index={index}: it multiplies the sizes of a model trained from "
+                                  "scratch, and model.init_from's weights have their own; leave one of them out")
+            from ray_jax_train.config import DEFAULT_SCALING_VARIABLES
+
+            for name in DEFAULT_SCALING_VARIABLES:
+                base = values.get(name, LlamaConfig.model_fields[name].default)
+                if base is not None:
+                    values[name] = base * index
         values.setdefault("vocab_size", len(tokenizer) if tokenizer is not None else self.tokenizer.vocab_size)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if tokenizer is not None and getattr(tokenizer, name, None) is not None:
@@ -875,7 +907,7 @@ def search_candidates(spec: Any, *, interior: bool = False) -> List[Any]:
         if interior and kind != "quniform" and ends[0] != ends[1]:
             low, high = float(ends[0]), float(ends[1])
             inside = low * (high / low) ** 0.37 if kind == "loguniform" else low + 0.37 * (high - low)
-            ends.append(inside if inside != int(inside) else inside + 0.01 * (high - low))
+            ends.append(inside + 0.5 if inside.is_integer() and high - inside > 0.5 else inside)
         return ends
     return list(values)
 

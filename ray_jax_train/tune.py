@@ -190,6 +190,8 @@ def _comparable(config: ExperimentConfig) -> Dict[str, Any]:
     args = config.training_arguments().model_dump(mode="json")
     data["training"] = {k: v for k, v in args.items() if k not in MOVED_TRAINING_KEYS}
     data["run"].pop("address", None)
+    if data["model"].get("scaling_index") is None:  # unset reads as a search saved before the key existed
+        data["model"].pop("scaling_index", None)
     return json.loads(json.dumps(data))
 
 
@@ -243,11 +245,14 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     import ray
 
     base = search_config(config, overrides=overrides, param_space=param_space, num_samples=num_samples)
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # as the CLI starts it: room for the workers, quiet workers on a private Ray
         from ray_jax_train.quiet import QUIET_ENV
         from ray_jax_train.trainer import init_ray
 
-        init_ray(**({"runtime_env": {"env_vars": dict(QUIET_ENV)}} if quiet else {}))
+        need = base.scaling.num_workers * (base.scaling.cpus_per_worker or 1)
+        private = not os.environ.get("RAY_ADDRESS")
+        init_ray(num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
+                 **({"runtime_env": {"env_vars": dict(QUIET_ENV)}} if quiet and private else {}))
     undo_filter = filter_worker_notices() if quiet else None
     try:
         return _run(base, quiet=quiet, resume=resume, resume_errored=resume_errored)

@@ -93,6 +93,8 @@ BAD = [
     # Its ends are whole numbers, the values Tune samples are not (every trial failed once Ray was up).
     ({"tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 10]}}}}, [],
      ["training.warmup_steps: trials given 3.7 would fail", "valid integer", '{"randint": [0, 11]}']),
+    ({"tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 100]}}}}, [],
+     ["training.warmup_steps: trials given 37.5 would fail", '{"randint": [0, 101]}']),
     # A grid runs every combination: (32, 3) cannot be valid, though each value is with the other's other value.
     ({"tune": {"param_space": {"model.hidden_size": {"grid_search": [32, 48]},
                                "model.num_attention_heads": {"grid_search": [2, 3]}}}}, [],
@@ -569,12 +571,32 @@ def test_the_summary_counts_restarts_from_the_steps_logged_again(tmp_path, capsy
     from ray_jax_train.cli import _summary
 
     steps = [2, 4, 6, 4, 6, 8, 8, 10]  # resumed at 2 (step 4 logged again), then at 6 (step 8 again)
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n"
-                                                    for s in steps))
+    firsts = {0, 3, 6}  # each attempt's first record carries its start-up facts
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 5.0 - s / 10, **({"startup_s": 3.0} if i in firsts else {})}) + "\n"
+        for i, s in enumerate(steps)))
     args = argparse.Namespace(config="c.yaml", overrides=[])
     _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
     out = capsys.readouterr().out
     assert "restarts:    2 (resumed from a checkpoint; logged again from step 4, 8)" in out, out
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (2, 4)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, **({"startup_s": 1.0} if s == 2
+                                                                                       else {})}) + "\n" for s in (2, 4)))
     _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
     assert "restarts" not in capsys.readouterr().out
+
+
+def test_model_scaling_index_multiplies_the_widths_and_can_be_searched(tmp_path, capsys):
+    """EasyDeL's scaling_index in a config file, as RayDistributedTrainer.train takes it (a Tune review: model size
+    could not be searched in one key, and the error suggested 'sliding_window')."""
+    base = yaml.safe_load(run(["config", "show", TINY], capsys)[1])["model"]
+    code, out, err = run(["config", "show", TINY, "--set", "model.scaling_index=2"], capsys)
+    assert code == 0, err
+    scaled = yaml.safe_load(out)["model"]
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
+        assert scaled[name] == 2 * base[name], (name, base, scaled)
+    assert scaled["head_dim"] == base["head_dim"] and scaled["num_hidden_layers"] == base["num_hidden_layers"]
+    assert "scaling_index" not in yaml.safe_load(out)["model"]  # shown scaled once: it reads back as the same run
+    data = yaml.safe_load(open(TINY))
+    data["tune"] = {"param_space": {"model.scaling_index": {"grid_search": [1, 2]}}}
+    code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
+    assert code == 0, err

@@ -37,13 +37,22 @@ class _SigtermState:
     previous = None
     grace_s = 120.0
 
+    def __init__(self):
+        self.decided = threading.Event()  # preemption or teardown: set once the controller has been asked
+        self.lock = threading.Lock()
+
 
 _sigterm = _SigtermState()
 
 
 def sigterm_received() -> bool:
-    """A SIGTERM arrived, was found to be no teardown of the run, and still asks for a checkpoint."""
-    return _sigterm.received_at is not None and _sigterm.preemption and not _sigterm.handled
+    """A SIGTERM arrived, was found to be no teardown of the run, and still asks for a checkpoint. While that is
+    being found out (a round trip to the controller) this waits for it, so that every caller, the workers'
+    agreement on a save included, sees the same answer."""
+    if _sigterm.received_at is None:
+        return False
+    _sigterm.decided.wait(timeout=15)
+    return _sigterm.preemption and not _sigterm.handled
 
 
 def sigterm_handled() -> None:
@@ -79,18 +88,22 @@ def _handler(signum, frame):
 
 
 def _preemption_or_teardown() -> None:
-    if not _sigterm.active or _run_controller_is_gone():
-        _sigterm.active = False
-        release_sigterm()  # ends the worker now, as Ray's own handler would have
-        return
-    _sigterm.preemption = True
+    gone = _sigterm.active and _run_controller_is_gone()
+    with _sigterm.lock:
+        if gone or not _sigterm.active:  # torn down, or training ended meanwhile: no save to wait for
+            _sigterm.active = False
+            _sigterm.decided.set()
+            release_sigterm()  # ends the worker now, as Ray's own handler would have
+            return
+        _sigterm.timer = threading.Timer(_sigterm.grace_s, lambda: release_sigterm())
+        _sigterm.timer.daemon = True
+        _sigterm.timer.start()
+        _sigterm.preemption = True
+        _sigterm.decided.set()
     logger.warning(
         "SIGTERM received: the workers save a checkpoint at their next preemption check, then this worker exits "
         "(it exits anyway in %.0fs).", _sigterm.grace_s,
     )
-    _sigterm.timer = threading.Timer(_sigterm.grace_s, lambda: release_sigterm())
-    _sigterm.timer.daemon = True
-    _sigterm.timer.start()
 
 
 def _run_controller_is_gone(timeout_s: float = 5.0) -> bool:
@@ -103,9 +116,9 @@ def _run_controller_is_gone(timeout_s: float = 5.0) -> bool:
         controller = get_train_context().controller_actor
         ray.get(controller.__ray_ready__.remote(), timeout=timeout_s)
         return False
-    except ray.exceptions.RayActorError:
+    except ray.exceptions.ActorDiedError:
         return True
-    except Exception:  # noqa: BLE001 - no train context, a slow controller: treat it as the preemption it may be
+    except Exception:  # noqa: BLE001 - no train context, an unreachable or slow controller: a preemption, maybe
         return False
 
 
@@ -138,9 +151,10 @@ def install_sigterm_handler(grace_s: float = 120.0) -> bool:
 
 def deactivate_sigterm_handler() -> None:
     """Training is over: let SIGTERM end the worker at once, without a save or a preemption message."""
-    _sigterm.active = False
-    if sigterm_received():
-        release_sigterm()
+    with _sigterm.lock:
+        _sigterm.active = False
+        if _sigterm.received_at is not None and not _sigterm.handled:  # decided or not: nothing will be saved
+            release_sigterm()
 
 
 def release_sigterm() -> None:

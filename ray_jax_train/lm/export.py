@@ -122,10 +122,14 @@ def _resolve(source: str):
                            "stopped before registering it).", newer[0].uri)
         return f"{where}/{name.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
     if has("best.json"):  # a Tune search's directory: its best trial is what a user exports
-        best = _read_json(fs, f"{path}/best.json").get("checkpoint")
-        if best:
-            logger.warning("%s is a Tune search: exporting its best trial's checkpoint, %s.", source, best)
-            return _resolve(best)
+        best = _read_json(fs, f"{path}/best.json")
+        if best.get("checkpoint"):
+            logger.warning("%s is a Tune search: exporting its best trial's checkpoint, %s.", source,
+                           best["checkpoint"])
+            return _resolve(best["checkpoint"])
+        raise FileNotFoundError(f"{source} is a Tune search whose best trial saved no checkpoint (training.save_steps"
+                                f" saves them); its final model, already a Hugging Face directory, is in "
+                                f"{best.get('run_dir')}/final_model.")
     hint = " It is a Hugging Face model directory already." if has("config.json") else ""
     if has("metrics.jsonl"):
         hint = (" It is a run that saved no checkpoint (it stopped before its first save; training.save_steps "

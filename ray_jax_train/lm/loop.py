@@ -129,11 +129,15 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         restored = checkpointer.restore(abstract_state(state))
         if restored is not None:
             if rank0:
-                _warn_about_changed_settings(restored, state["opt_state"], args.scheduler, total_steps)
+                try:  # advice only: it must not fail the one process that gives it
+                    _warn_about_changed_settings(restored, state["opt_state"], args.scheduler, total_steps)
+                except Exception as exc:  # noqa: BLE001
+                    logger.debug("Could not compare the optimizer settings with the checkpoint's: %s", exc)
             restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             resumed_at = restored.step
-            logger.info("Resuming at step %d from %s.", restored.step, restored.path)
+            if rank0:  # the same on every worker
+                logger.info("Resuming at step %d from %s.", restored.step, restored.path)
             if not restored.data_state and restored.step:
                 logger.warning("Checkpoint %s records no data position: step %d trains on the data from its start "
                                "again (a checkpoint saved by another loop?).", restored.path, restored.step)

@@ -211,9 +211,10 @@ def _save_readable(save_file, tensors, file: Path, metadata) -> None:
     """safetensors writes through a private temporary file (mode 0600); give the weights the mode every other file
     of the directory gets, or a serving job under another user on shared storage cannot read them."""
     save_file(tensors, str(file), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(file, 0o666 & ~umask)
+    try:  # config.json, written just before by open(), has the mode the umask gives
+        os.chmod(file, os.stat(file.parent / "config.json").st_mode & 0o777)
+    except OSError:  # a filesystem without modes (some FUSE mounts): the weights are written all the same
+        pass
 
 
 def save_pretrained(model: LlamaForCausalLM, path: PathLike, *, dtype: Any = None,
