@@ -93,7 +93,7 @@ BAD = [
     # Its ends are whole numbers, the values Tune samples are not (every trial failed once Ray was up).
     ({"tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 10]}}}}, [],
      ["training.warmup_steps: trials given 3.7 would fail", "valid integer", '{"randint": [0, 11]}']),
-    ({"tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 100]}}}}, [],
+    ({"training": {"total_steps": 200}, "tune": {"param_space": {"training.warmup_steps": {"uniform": [0, 100]}}}}, [],
      ["training.warmup_steps: trials given 37.5 would fail", '{"randint": [0, 101]}']),
     # A grid runs every combination: (32, 3) cannot be valid, though each value is with the other's other value.
     ({"tune": {"param_space": {"model.hidden_size": {"grid_search": [32, 48]},
