@@ -161,8 +161,18 @@ def iter_jax_batches(
     if not isinstance(sync_window, int) or sync_window < 1:  # 0 would agree on 0 batches forever, never ending
         raise ValueError(f"sync_window={sync_window!r} must be a positive integer.")
     check_batch_size(batch_size, mesh, batch_axes)
+    batch_size = int(batch_size)  # a numpy integer passes the check, and goes into JSON and shapes below
     sharding = batch_sharding(mesh, batch_axes)
     local_rows = process_rows(sharding, batch_size)
+    agreement = None
+    if sync and jax.process_count() > 1:
+        # What each process opened, compared before anything is read or even asked of Ray: iterators are matched
+        # by opening order, and Ray waits without a timeout for every worker to ask for its shard of a dataset
+        # and to read it, so a worker that opened another one hung the run.
+        opened = json.dumps([dataset if isinstance(dataset, str) else type(dataset).__name__, batch_size, remainder,
+                             sorted(columns) if columns is not None else None])
+        agreement = _Agreement(next(_call_counter), sync_timeout_s, opened)
+        agreement.compare_opened()
     iterator = resolve_dataset(dataset)
     if isinstance(dataset, str):
         _check_split(dataset, iterator)
@@ -178,13 +188,8 @@ def iter_jax_batches(
     )
     read = _RowCount(_split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows))
     host_batches = read
-    if sync and jax.process_count() > 1:
-        # What each process opened: iterators are matched by opening order, so a mismatch is a loud error, not
-        # one process's eval batches agreed against another's train batches.
-        opened = json.dumps([dataset if isinstance(dataset, str) else type(dataset).__name__, batch_size, remainder,
-                             sorted(columns) if columns is not None else None])
-        agreed = _Agreement(next(_call_counter), sync_timeout_s, opened)
-        host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreed, sync_window)
+    if agreement is not None:
+        host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreement, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
     host_batches = itertools.islice(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches,
@@ -265,6 +270,11 @@ def _split_rows(batches, rows: int):
 
 
 def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:
+    if isinstance(dtypes, Mapping) and batch:
+        unknown = [c for c in dtypes if c not in batch or (columns is not None and c not in columns)]
+        if unknown:  # a misspelt column would keep its dtype, silently
+            raise ValueError(f"dtypes names columns {unknown} that the batches do not have; they have "
+                             f"{sorted(columns if columns is not None else batch)}.")
     if columns is not None:
         missing = [c for c in columns if c not in batch]
         if missing:
@@ -338,22 +348,53 @@ class _Agreement:
         self._timeout_ms = int(timeout_s * 1000)
         self._round = 0
 
+    def compare_opened(self, warn_after_s: float = 60.0) -> None:
+        """At the opening, before any read: every process must have opened the same iterator at this point."""
+        import time
+
+        key = f"{self._prefix}/open"
+        self._client.key_value_set(f"{key}/{self._rank}", self._opened)
+        answers, started, warned = {}, time.monotonic(), False
+        while len(answers) < self._size:
+            for p in range(self._size):
+                if p in answers:
+                    continue
+                try:
+                    answers[p] = self._client.blocking_key_value_get(f"{key}/{p}", 1000)
+                except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
+                    if "DEADLINE_EXCEEDED" not in str(exc):
+                        raise
+                    break
+            waited = time.monotonic() - started
+            if len(answers) < self._size and waited > self._timeout_ms / 1000:
+                raise RuntimeError(
+                    f"iter_jax_batches ({self._opened}) waited {waited:.0f}s for processes "
+                    f"{sorted(set(range(self._size)) - set(answers))} to open their matching iterator; they opened "
+                    "fewer iter_jax_batches calls than this one. Open the same calls in the same order on every "
+                    "worker (sync_timeout_s sets this wait).")
+            if len(answers) < self._size and waited > warn_after_s and not warned:
+                warned = True
+                logger.warning("iter_jax_batches (%s) has waited %.0fs for processes %s to open their matching "
+                               "iterator (iterators are matched by opening order): a worker that opens fewer calls "
+                               "or none makes this one wait until sync_timeout_s.", self._opened, waited,
+                               sorted(set(range(self._size)) - set(answers)))
+        opened = [answers[p] for p in range(self._size)]
+        if len(set(opened)) > 1:
+            raise RuntimeError(
+                "The processes opened different iterators at the same point (they are matched by opening "
+                f"order): {', '.join(f'process {p}: {o}' for p, o in enumerate(opened))}. Open the same "
+                "iter_jax_batches calls in the same order on every worker.")
+
     def gather(self, value: int) -> list:
         key = f"{self._prefix}/{self._round}"
-        mine = str(value) if self._round else f"{value} {self._opened}"  # round 0 also compares what was opened
-        self._client.key_value_set(f"{key}/{self._rank}", mine)
+        self._client.key_value_set(f"{key}/{self._rank}", str(value))
         answers = [self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms) for p in range(self._size)]
-        if not self._round:
-            opened = [answer.partition(" ")[2] for answer in answers]
-            if len(set(opened)) > 1:
-                raise RuntimeError(
-                    "The processes opened different iterators at the same point (they are matched by opening "
-                    f"order): {', '.join(f'process {p}: {o}' for p, o in enumerate(opened))}. Open the same "
-                    "iter_jax_batches calls in the same order on every worker.")
-        values = [int(answer.partition(" ")[0]) for answer in answers]
-        if self._round >= 1:
-            # Every process has now set this round's key, so each has read all of the round before: that round's
-            # keys are never read again. Deleting them keeps the coordinator's store from growing with the run.
+        values = [int(answer) for answer in answers]
+        # Every process has now set this round's key, so each has read all of the round before (and what the
+        # others opened): those keys are never read again. Deleting them keeps the coordinator's store small.
+        if self._round == 0:
+            self._client.key_value_delete(f"{self._prefix}/open/{self._rank}")
+        else:
             self._client.key_value_delete(f"{self._prefix}/{self._round - 1}/{self._rank}")
         self._round += 1
         return values

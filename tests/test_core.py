@@ -289,6 +289,11 @@ def _opened_out_of_step(config):
         seen["order"] = "no error"
     except RuntimeError as exc:
         seen["order"] = str(exc)
+    try:  # another dataset on each process: Ray Data's split waited for the other reader forever (a hang)
+        next(iter(rjt.iter_jax_batches("a" if rank == 0 else "b", batch_size=4, mesh=rjt.get_mesh())))
+        seen["names"] = "no error"
+    except RuntimeError as exc:
+        seen["names"] = str(exc)
     try:
         rjt.iter_jax_batches("whole", batch_size=4, mesh=rjt.get_mesh())
         seen["unsplit"] = "no error"
@@ -307,14 +312,15 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
     trainer = rjt.JaxTrainer(
         _opened_out_of_step, train_loop_config={"out": str(out)}, scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(tmp_path / "storage")),
-        datasets={name: ray.data.range(32) for name in ("a", "whole")},
-        dataset_config=DataConfig(datasets_to_split=["a"]))
+        datasets={name: ray.data.range(32) for name in ("a", "b", "whole")},
+        dataset_config=DataConfig(datasets_to_split=["a", "b"]))
     assert trainer.fit().error is None
     for rank in range(2):
         seen = json.loads((out / f"rank{rank}.json").read_text())
         # Before: each process agreed its batch count against the other's iterator, with no error.
         assert "opened different iterators" in seen["order"] and '["a", 4' in seen["order"], seen
         assert '["a", 8' in seen["order"]
+        assert "opened different iterators" in seen["names"] and '["b", 4' in seen["names"], seen
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
 
