@@ -522,3 +522,16 @@ def test_a_worker_lost_or_failing_in_jax_distributed_setup_is_retried_and_releas
     while held() != (set(), 0) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert held() == (set(), 0), held()
+
+
+def test_a_dtypes_key_naming_no_column_is_refused():
+    """A misspelt column in dtypes kept the real column's dtype, silently (a data review); columns= already
+    refused a misspelt name."""
+    from ray_jax_train.data import _select
+
+    batch = {"id": np.arange(4), "x": np.ones((4, 2))}
+    assert _select(batch, None, {"x": np.float16})["x"].dtype == np.float16
+    with pytest.raises(ValueError, match=r"dtypes names columns \['idd'\]"):
+        _select(batch, None, {"idd": np.int8})
+    with pytest.raises(ValueError, match=r"dtypes names columns \['x'\]"):
+        _select(batch, ["id"], {"x": np.float16})  # a column left out by columns= is none of the batch's
