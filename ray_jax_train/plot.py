@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from ray.train.v2.api.callback import UserCallback
 
@@ -40,31 +40,28 @@ def read_records(run_dir: str) -> List[Dict]:
     return parse_records(text)
 
 
-def resumed_steps(text: str) -> List[int]:
-    """The first step each later attempt of a run logged: every attempt's first record carries its start-up facts
-    (`startup_s`), and an attempt after the first resumed from a checkpoint (the group failed and Ray restarted
-    it, or the same run was started again)."""
-    starts = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and "startup_s" in record:
-            starts.append(int(record["step"]))
-    return starts[1:]
-
-
-def parse_records(text: str) -> List[Dict]:
-    """The step records of a metrics.jsonl's text, the latest attempt's record of each step."""
-    records: List[Dict] = []
+def _step_records(text: str) -> Iterator[Dict]:
+    """Every step record of a metrics.jsonl's text, in file order (all attempts)."""
     for line in text.splitlines():
         try:
             record = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue  # a line cut short by a killed run
-        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            continue  # not a step record (hand-written or foreign lines): nothing to draw it at
+        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
+            yield record  # not others (hand-written or foreign lines): nothing to draw them at
+
+
+def resumed_steps(text: str) -> List[int]:
+    """The first step each later attempt of a run logged: every attempt's first record carries its start-up facts
+    (`startup_s`), and an attempt after the first resumed from a checkpoint (the group failed and Ray restarted
+    it, or the same run was started again)."""
+    return [int(record["step"]) for record in _step_records(text) if "startup_s" in record][1:]
+
+
+def parse_records(text: str) -> List[Dict]:
+    """The step records of a metrics.jsonl's text, the latest attempt's record of each step."""
+    records: List[Dict] = []
+    for record in _step_records(text):
         # A resumed attempt logs again from its checkpoint's step on: what the killed attempt logged from there
         # is replaced, also the steps past where the new attempt has got to so far (a live or twice-killed run).
         while records and records[-1]["step"] >= record["step"]:
