@@ -335,10 +335,7 @@ class ExperimentConfig(_Section):
         grid_failures: Dict[Tuple[int, ...], str] = {}
         grid_passed = set()
         for combination in itertools.product(*(range(len(candidates[k])) for k in keys)):
-            trial = json.loads(json.dumps(data))
-            for key, index in zip(keys, combination):
-                section, name = key.split(".", 1)
-                trial[section] = {**(trial.get(section) or {}), name: candidates[key][index]}
+            trial = _with_values(data, {key: candidates[key][index] for key, index in zip(keys, combination)})
             grid_point = tuple(index for key, index in zip(keys, combination) if key in grid_keys)
             try:
                 parse_config(trial).training_arguments()
@@ -360,11 +357,8 @@ class ExperimentConfig(_Section):
             inside = search_candidates(spec, interior=True)[2:]
             if not inside or passing is None:
                 continue
-            trial = json.loads(json.dumps(data))
-            for other, index in zip(keys, passing):
-                section, name = other.split(".", 1)
-                value = inside[0] if other == key else candidates[other][index]
-                trial[section] = {**(trial.get(section) or {}), name: value}
+            trial = _with_values(data, {other: inside[0] if other == key else candidates[other][index]
+                                        for other, index in zip(keys, passing)})
             try:
                 parse_config(trial).training_arguments()
             except ValueError as exc:
@@ -892,6 +886,15 @@ def hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
                                   for name in ("tokenizer.json", "tokenizer_config.json")):
         return hf_dir
     return None
+
+
+def _with_values(data: Dict[str, Any], values: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of config `data` with dotted keys (`training.learning_rate`) set to `values`: one trial's config."""
+    trial = json.loads(json.dumps(data))
+    for key, value in values.items():
+        section, name = key.split(".", 1)
+        trial[section] = {**(trial.get(section) or {}), name: value}
+    return trial
 
 
 def search_candidates(spec: Any, *, interior: bool = False) -> List[Any]:
