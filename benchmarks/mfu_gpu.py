@@ -62,15 +62,16 @@ def peak_flops(device, override_tflops=None):
     return None, f"unknown device kind {kind!r}"
 
 
-def build(size: str, seq: int, param_dtype: str, remat: bool):
+def build(size: str, seq: int, param_dtype: str, remat: bool, vocab_size=None):
     from ray_jax_train.config import LlamaConfig
 
-    return LlamaConfig(**SIZES[size], max_position_embeddings=max(seq, 64), dtype="bfloat16",
+    shape = dict(SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
+    return LlamaConfig(**shape, max_position_embeddings=max(seq, 64), dtype="bfloat16",
                        param_dtype=param_dtype, remat=remat, tie_word_embeddings=False)
 
 
 def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
-            remat: bool = False, peak_tflops=None) -> dict:
+            remat: bool = False, peak_tflops=None, vocab_size=None) -> dict:
     import jax
     import numpy as np
     import optax
@@ -78,7 +79,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
 
     from ray_jax_train.models.llama import create_model, flops_per_token, num_params
 
-    cfg = build(size, seq, param_dtype, remat)
+    cfg = build(size, seq, param_dtype, remat, vocab_size)
     graphdef, abstract = nnx.split(create_model(cfg, lazy=True), nnx.Param)
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
 
@@ -120,6 +121,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
     memory = device.memory_stats() if hasattr(device, "memory_stats") else None
     return {
         "size": size,
+        "vocab_size": cfg.vocab_size,
         "params": num_params(nnx.merge(graphdef, abstract)),
         "device": getattr(device, "device_kind", str(device)),
         "platform": device.platform,
@@ -157,6 +159,8 @@ def main(argv=None) -> list:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--remat", action="store_true", help="recompute layer activations in the backward pass")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="override the size's vocabulary, e.g. to match a run's trained tokenizer")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 peak")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -167,7 +171,7 @@ def main(argv=None) -> list:
     for size in args.sizes:
         result = measure(size, batch=args.batch or DEFAULT_BATCH[size], seq=args.seq, steps=args.steps,
                          warmup=args.warmup, param_dtype=args.param_dtype, remat=args.remat,
-                         peak_tflops=args.peak_tflops)
+                         peak_tflops=args.peak_tflops, vocab_size=args.vocab)
         results.append(result)
         mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak for this device)"
         print(f"{size}: {result['params'] / 1e6:.1f}M params on {result['device']}, batch {result['batch']} x "

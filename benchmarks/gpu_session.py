@@ -1,0 +1,273 @@
+"""(h) in one command on a GPU machine: what the built-in Llama reaches there, bare and through the whole stack.
+
+Four stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
+  1. `mfu_gpu.py --sizes 125m`: the bare jitted train step at ~125M (vocab 32k, batch 16 x 2048), bf16.
+  2. `ray-jax-train fit` on one GPU worker: Ray, jax.distributed on CUDA, Ray Data batches, the built-in loop and
+     an orbax checkpoint, a ~100M Llama (the 125m shape with the run's trained 8k vocabulary) on the standard
+     library's source, batch 16 x 1024. Tokens/s and MFU are the loop's own log-window figures, the first two
+     windows dropped.
+  3. `mfu_gpu.py` at stage 2's exact shape: the bare step to compare the loop against (loop / bare = (a) on GPU).
+  4. `mfu_gpu.py --sizes 1b`: TinyLlama-1.1B shaped, batch 4 x 2048 (batch 8 with remat if that does not fit).
+
+    python benchmarks/gpu_session.py --out bench_out/gpu                  # a GPU machine with the stack installed
+    python benchmarks/gpu_session.py --smoke --out /tmp/gpu_smoke          # CPU, tiny sizes: checks that it runs
+
+A machine that lacks packages (a lent device machine has JAX and CUDA but no Ray) gets them as carried files:
+`--site-wheels DIR...` unpacks every *.whl / *.zip in those folders onto PYTHONPATH; `--ours-wheels DIR` holds
+the flax / optax / orbax versions this project pins, used when they import cleanly with the machine's JAX.
+It writes OUT/gpu_session.json and OUT/gpu_session.md and asserts nothing about time.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+LM_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=12)
+SMOKE_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2)
+
+
+def unpack(folders, target: str) -> list:
+    """Unpack wheels (and zips laid out like one) into `target`, keeping file modes: Ray's binaries must stay executable."""
+    os.makedirs(target, exist_ok=True)
+    names = []
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(folder, "*.whl")) + glob.glob(os.path.join(folder, "*.zip"))):
+            with zipfile.ZipFile(path) as archive:
+                for info in archive.infolist():
+                    written = archive.extract(info, target)
+                    mode = (info.external_attr >> 16) & 0o777
+                    if mode and not info.is_dir():
+                        os.chmod(written, mode)
+            names.append(os.path.basename(path))
+    return names
+
+
+def imports_cleanly(env: dict) -> bool:
+    probe = ("import jax, flax.nnx, optax, orbax.checkpoint; "
+             "print(jax.__version__, flax.__version__, optax.__version__, orbax.checkpoint.__version__)")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    print(f"  import check: rc {done.returncode} {done.stdout.strip()} {done.stderr.strip()[-300:]}", flush=True)
+    return done.returncode == 0
+
+
+def prepare_env(args) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [ROOT]
+    if args.site_wheels:
+        site = "/tmp/gpu_session_site"
+        print(f"unpacked {len(unpack(args.site_wheels, site))} carried packages into {site}", flush=True)
+        paths.insert(0, site)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    if args.ours_wheels:
+        ours = "/tmp/gpu_session_ours"
+        unpack(args.ours_wheels, ours)
+        with_ours = dict(env, PYTHONPATH=os.pathsep.join([ours, env["PYTHONPATH"]]))
+        if imports_cleanly(with_ours):
+            print("using the carried flax / optax / orbax (this project's pins)", flush=True)
+            return with_ours
+        print("the carried flax / optax / orbax do not import with this JAX: using the machine's", flush=True)
+    return env
+
+
+def run_stage(name: str, cmd: list, env: dict, limit_s: float, log) -> dict:
+    """Run `cmd`, streaming its output prefixed with the stage name; never longer than `limit_s`."""
+    start = time.perf_counter()
+    print(f"\n=== {name}: {' '.join(cmd)} (limit {limit_s:.0f} s)", flush=True)
+    if limit_s < 10:
+        print(f"=== {name}: skipped, no time left", flush=True)
+        return {"stage": name, "rc": None, "skipped": True}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = start + limit_s
+    timed_out = False
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    while True:
+        if time.perf_counter() > deadline:
+            timed_out = True
+            os.killpg(proc.pid, 9)
+            break
+        if selector.select(timeout=1.0):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            print(f"[{name}] {line}", end="", flush=True)
+            log.write(f"[{name}] {line}")
+    rc = proc.wait()
+    seconds = time.perf_counter() - start
+    print(f"=== {name}: rc {rc}{' (timed out)' if timed_out else ''} after {seconds:.0f} s", flush=True)
+    return {"stage": name, "rc": rc, "timed_out": timed_out, "seconds": round(seconds, 1)}
+
+
+def read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def lm_config(args, storage: str) -> dict:
+    smoke = args.smoke
+    return {
+        "model": dict(SMOKE_SHAPE if smoke else LM_SHAPE, type="llama", max_position_embeddings=64 if smoke else 1024,
+                      dtype="float32" if smoke else "bfloat16", param_dtype="float32", tie_word_embeddings=False),
+        "data": {"source": "stdlib", "kind": "source", "max_docs": 40 if smoke else 400},
+        "tokenizer": {"path": None, "vocab_size": 300 if smoke else 8192},
+        "training": {"total_steps": 12 if smoke else args.lm_steps, "batch_size": 4 if smoke else 16,
+                     "max_sequence_length": 32 if smoke else 1024, "learning_rate": 3e-4, "warmup_steps": 2,
+                     "log_steps": 2 if smoke else 20, "save_steps": 12 if smoke else args.lm_steps},
+        "scaling": {"num_workers": 1, "use_gpu": not smoke},
+        "run": {"name": "gpu-lm", "storage_path": storage, "max_failures": 0, "checkpoints_to_keep": 1},
+    }
+
+
+def loop_figures(run_dir: str, skip_windows: int = 2) -> dict:
+    """Median tokens/s and MFU over the loop's log windows, the first `skip_windows` (compile, warm-up) left out."""
+    records = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return {}
+    windows = [r for r in records if "tokens_per_s" in r]
+    steady = windows[skip_windows:] or windows
+    if not steady:
+        return {}
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {
+        "windows": len(steady),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "tokens_per_s_min": min(r["tokens_per_s"] for r in steady),
+        "tokens_per_s_max": max(r["tokens_per_s"] for r in steady),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "startup_s": next((r["startup_s"] for r in records if "startup_s" in r), None),
+        "first_loss": records[0].get("loss") if records else None,
+        "last_loss": next((r["loss"] for r in reversed(records) if "loss" in r), None),
+        "checkpoints": sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "checkpoint_*"))),
+        "final_model": os.path.isfile(os.path.join(run_dir, "final_model", "config.json")),
+    }
+
+
+def report_lines(report: dict) -> list:
+    lines = [f"# GPU session: {report['device'] or 'unknown device'}", "", f"{report['versions']}", ""]
+    lines += ["| what | size | batch x seq | tokens/s | MFU |", "| --- | --- | --- | --- | --- |"]
+    for key, label in (("bare_125m", "bare step"), ("loop", "built-in loop, JaxTrainer, 1 GPU worker"),
+                       ("bare_same_shape", "bare step, the loop's shape"), ("bare_1b", "bare step")):
+        r = report.get(key) or {}
+        if not r.get("tokens_per_s"):
+            lines.append(f"| {label} | — | — | not measured ({report['stages'].get(key, 'not run')}) | — |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        size = f"{r['params'] / 1e6:.0f}M" if r.get("params") else r.get("size", "")
+        shape = f"{r.get('batch', '')} x {r.get('seq', '')}"
+        lines.append(f"| {label} | {size} | {shape} | {r['tokens_per_s']:,.0f} | {mfu} |")
+    if report.get("loop_over_bare"):
+        lines += ["", f"Built-in loop / bare step at the same shape: {report['loop_over_bare']:.3f}."]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: checks the script runs")
+    parser.add_argument("--site-wheels", nargs="*", default=[], help="folders of wheels to unpack onto PYTHONPATH")
+    parser.add_argument("--ours-wheels", nargs="*", default=[], help="folders with this project's flax/optax/orbax")
+    parser.add_argument("--budget-s", type=float, default=470, help="all stages together end within this")
+    parser.add_argument("--lm-steps", type=int, default=200)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    began = time.perf_counter()
+    remaining = lambda: args.budget_s - (time.perf_counter() - began)  # noqa: E731
+    env = prepare_env(args)
+    if args.smoke:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    py = sys.executable
+    mfu = os.path.join(HERE, "mfu_gpu.py")
+    stages, report = {}, {"smoke": args.smoke}
+    with open(os.path.join(args.out, "gpu_session.log"), "w", buffering=1) as log:
+        probe = ("import jax, flax, optax, orbax.checkpoint as o, ray, pydantic; d = jax.devices()[0]; "
+                 "print(d.device_kind, '|', f'jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
+                 "orbax {o.__version__}, ray {ray.__version__}, pydantic {pydantic.VERSION}, '"
+                 "f'{jax.device_count()} device(s)')")
+        done = subprocess.run([py, "-c", probe], env=env, capture_output=True, text=True, timeout=180)
+        print(done.stdout, done.stderr[-2000:], flush=True)
+        device, _, versions = done.stdout.strip().rpartition("\n")[-1].partition(" | ")
+        report.update(device=device.strip(), versions=versions.strip())
+
+        # The bare steps run alone on the GPU, so they may have most of it.
+        bare_env = dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
+
+        def bare(key, name, extra, limit):
+            out = os.path.join(args.out, f"{key}.json")
+            result = run_stage(name, [py, mfu, "--out", out] + extra, bare_env, min(limit, remaining()), log)
+            stages[key] = f"rc {result['rc']}" + (", timed out" if result.get("timed_out") else "")
+            measured = read_json(out)
+            report[key] = measured[0] if measured else None
+
+        smoke = ["--smoke"] if args.smoke else []
+        bare("bare_125m", "mfu 125m", smoke or ["--sizes", "125m", "--steps", "20"], 110)
+
+        storage = os.path.abspath(os.path.join(args.out, "runs") if args.smoke else "/tmp/gpu_session_runs")
+        config_path = os.path.join(args.out, "gpu_lm.json")
+        with open(config_path, "w") as f:
+            json.dump(lm_config(args, storage), f, indent=2)
+        result = run_stage("loop", [py, "-m", "ray_jax_train.cli", "fit", config_path], env,
+                           min(220, remaining()), log)
+        stages["loop"] = f"rc {result['rc']}" + (", timed out" if result.get("timed_out") else "")
+        run_dir = os.path.join(storage, "gpu-lm")
+        loop = loop_figures(run_dir, skip_windows=1 if args.smoke else 2)
+        model_config = read_json(os.path.join(run_dir, "final_model", "config.json")) or {}
+        if loop:
+            cfg = lm_config(args, storage)
+            loop.update(batch=cfg["training"]["batch_size"], seq=cfg["training"]["max_sequence_length"],
+                        vocab_size=model_config.get("vocab_size"))
+        report["loop"] = loop or None
+        if not args.smoke and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, "loop_metrics.jsonl"))
+
+        if model_config.get("vocab_size"):
+            shape = smoke + ["--vocab", str(model_config["vocab_size"])]
+            if not args.smoke:
+                shape += ["--sizes", "125m", "--batch", "16", "--seq", "1024", "--steps", "20"]
+            bare("bare_same_shape", "bare at the loop's shape", shape, 80)
+            same = report.get("bare_same_shape") or {}
+            if same.get("tokens_per_s") and loop.get("tokens_per_s"):
+                report["loop_over_bare"] = loop["tokens_per_s"] / same["tokens_per_s"]
+                loop["params"] = same.get("params")
+        else:
+            stages["bare_same_shape"] = "not run: the loop wrote no final model"
+
+        if not args.smoke:
+            # Attention scores are materialised (no fused kernel), so 1B at batch 8 x 2048 needs more than the
+            # default 75% of even an H200 without remat: batch 4 first, then batch 8 recomputing each layer.
+            bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "15"], 150)
+            if not report.get("bare_1b"):
+                bare("bare_1b", "mfu 1b remat", ["--sizes", "1b", "--batch", "8", "--remat", "--steps", "10"], 150)
+    report["stages"] = stages
+    with open(os.path.join(args.out, "gpu_session.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    lines = report_lines(report)
+    with open(os.path.join(args.out, "gpu_session.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines), flush=True)
+    return 0 if report.get("loop") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
