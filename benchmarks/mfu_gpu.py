@@ -98,7 +98,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
 
     device = jax.devices()[0]
     t0 = time.perf_counter()
-    state = jax.jit(init)()
+    state = init()  # eagerly: XLA:GPU takes minutes to compile the whole random init as one program
     step_fn = jax.jit(step, donate_argnums=0)
     rng = np.random.default_rng(0)
     batches = [jax.device_put(rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32), device)
