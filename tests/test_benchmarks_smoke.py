@@ -47,3 +47,35 @@ def test_suite_smoke_splits_scaling_into_machine_ray_and_ours(ray_cluster, tmp_p
     assert share["n"] == 1 and share["median"] > 0 and share["target"] is None
     table = (tmp_path / "suite.md").read_text()
     assert "| (d) split, 2 workers: step in pinned workers / in pinned processes |" in table
+
+
+def test_gpu_session_reads_loop_windows_and_unpacks_executables(tmp_path):
+    """gpu_session.py's pieces that run on a device machine only: log-window figures, the table, carried files."""
+    import stat
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(ROOT, "benchmarks", "gpu_session.py"))
+    session = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(session)
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 20, "startup_s": 9.5, "loss": 7.0, "tokens_per_s": 10.0, "mfu": 0.01}]  # compile window
+    rows += [{"step": 20 * i, "loss": 7.0 - i, "tokens_per_s": 100.0 + i, "mfu": 0.1} for i in range(2, 7)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    figures = session.loop_figures(str(run), skip_windows=2)
+    assert figures["windows"] == 4 and figures["tokens_per_s"] == 104.5  # windows 3-6: 103..106
+    assert (figures["tokens_per_s_min"], figures["tokens_per_s_max"]) == (103.0, 106.0)
+    assert figures["startup_s"] == 9.5 and figures["last_loss"] == 1.0 and not figures["final_model"]
+    lines = session.report_lines({"device": "X", "versions": "v", "stages": {"bare_1b": "rc -9, timed out"},
+                                  "loop": dict(figures, batch=4, seq=8), "loop_over_bare": 0.5})
+    assert any("| 104 | 10.0% |" in line for line in lines)
+    assert any("not measured (rc -9, timed out)" in line for line in lines) and lines[-1].endswith("0.500.")
+
+    archive = tmp_path / "pkg.whl"
+    with zipfile.ZipFile(archive, "w") as z:
+        info = zipfile.ZipInfo("pkg/bin/server")
+        info.external_attr = (stat.S_IFREG | 0o755) << 16
+        z.writestr(info, "#!/bin/sh\n")
+        z.writestr("pkg/__init__.py", "")
+    assert session.unpack([str(tmp_path)], str(tmp_path / "site")) == ["pkg.whl"]
+    assert os.access(tmp_path / "site" / "pkg" / "bin" / "server", os.X_OK)  # Ray's gcs_server / raylet must run
