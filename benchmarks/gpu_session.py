@@ -6,7 +6,8 @@ Four stages, each in a process of its own with a time limit, so one that fails o
      an orbax checkpoint, a ~100M Llama (the 125m shape with the run's trained 8k vocabulary) on the standard
      library's source, batch 16 x 1024. Tokens/s and MFU are the loop's own log-window figures, the first two
      windows dropped.
-  3. `mfu_gpu.py` at stage 2's exact shape: the bare step to compare the loop against (loop / bare = (a) on GPU).
+  3. `mfu_gpu.py` at stage 2's exact shape, twice: the plain step, and the loop's own step (`--step builtin`) bare.
+     Loop / its own step is (a) on GPU; its own step / the plain one is what the loop's step computes beyond it.
   4. `mfu_gpu.py --sizes 1b`: TinyLlama-1.1B shaped, batch 4 x 2048 (batch 8 with remat if that does not fit).
 
     python benchmarks/gpu_session.py --out bench_out/gpu                  # a GPU machine with the stack installed
@@ -168,7 +169,8 @@ def report_lines(report: dict) -> list:
     lines = [f"# GPU session: {report['device'] or 'unknown device'}", "", f"{report['versions']}", ""]
     lines += ["| what | size | batch x seq | tokens/s | MFU |", "| --- | --- | --- | --- | --- |"]
     for key, label in (("bare_125m", "bare step"), ("loop", "built-in loop, JaxTrainer, 1 GPU worker"),
-                       ("bare_same_shape", "bare step, the loop's shape"), ("bare_1b", "bare step")):
+                       ("bare_same_shape", "bare step, the loop's shape"),
+                       ("builtin_same_shape", "the loop's own step, bare, its shape"), ("bare_1b", "bare step")):
         r = report.get(key) or {}
         if not r.get("tokens_per_s"):
             lines.append(f"| {label} | — | — | not measured ({report['stages'].get(key, 'not run')}) | — |")
@@ -177,8 +179,11 @@ def report_lines(report: dict) -> list:
         size = f"{r['params'] / 1e6:.0f}M" if r.get("params") else r.get("size", "")
         shape = f"{r.get('batch', '')} x {r.get('seq', '')}"
         lines.append(f"| {label} | {size} | {shape} | {r['tokens_per_s']:,.0f} | {mfu} |")
-    if report.get("loop_over_bare"):
-        lines += ["", f"Built-in loop / bare step at the same shape: {report['loop_over_bare']:.3f}."]
+    ratios = (("loop_over_bare", "built-in loop / bare step"), ("builtin_over_bare", "the loop's step / bare step"),
+              ("loop_over_builtin", "built-in loop / its own step, bare"))
+    if any(report.get(key) for key, _ in ratios):
+        lines += ["", "At the loop's shape: " + "; ".join(f"{label} {report[key]:.3f}" for key, label in ratios
+                                                          if report.get(key)) + "."]
     return lines
 
 
@@ -243,13 +248,20 @@ def main(argv=None) -> int:
 
         if model_config.get("vocab_size"):
             shape = smoke + ["--vocab", str(model_config["vocab_size"])]
-            if not args.smoke:
+            if args.smoke:
+                shape += ["--batch", str(lm_config(args, storage)["training"]["batch_size"])]
+            else:
                 shape += ["--sizes", "125m", "--batch", "16", "--seq", "1024", "--steps", "20"]
             bare("bare_same_shape", "bare at the loop's shape", shape, 80)
-            same = report.get("bare_same_shape") or {}
-            if same.get("tokens_per_s") and loop.get("tokens_per_s"):
-                report["loop_over_bare"] = loop["tokens_per_s"] / same["tokens_per_s"]
-                loop["params"] = same.get("params")
+            bare("builtin_same_shape", "the loop's own step, bare", shape + ["--step", "builtin"], 80)
+            same, builtin = report.get("bare_same_shape") or {}, report.get("builtin_same_shape") or {}
+            loop["params"] = same.get("params") or builtin.get("params")
+            # loop / plain = builtin / plain (what the loop's step computes beyond a minimal one) x loop / builtin
+            # (Ray, the data path and the loop around the same step)
+            for key, (num, den) in {"loop_over_bare": (loop, same), "builtin_over_bare": (builtin, same),
+                                    "loop_over_builtin": (loop, builtin)}.items():
+                if num.get("tokens_per_s") and den.get("tokens_per_s"):
+                    report[key] = num["tokens_per_s"] / den["tokens_per_s"]
         else:
             stages["bare_same_shape"] = "not run: the loop wrote no final model"
 

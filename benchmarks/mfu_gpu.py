@@ -70,17 +70,16 @@ def build(size: str, seq: int, param_dtype: str, remat: bool, vocab_size=None):
                        param_dtype=param_dtype, remat=remat, tie_word_embeddings=False)
 
 
-def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
-            remat: bool = False, peak_tflops=None, vocab_size=None) -> dict:
+def plain_step(cfg, batch: int, seq: int, total_steps: int):
+    """(init, step, batch maker) of a minimal step: AdamW on the mean cross-entropy of random tokens."""
     import jax
     import numpy as np
     import optax
     from flax import nnx
 
-    from ray_jax_train.models.llama import create_model, flops_per_token, num_params
+    from ray_jax_train.models.llama import create_model
 
-    cfg = build(size, seq, param_dtype, remat, vocab_size)
-    graphdef, abstract = nnx.split(create_model(cfg, lazy=True), nnx.Param)
+    graphdef = nnx.split(create_model(cfg, lazy=True), nnx.Param)[0]
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
 
     def init():
@@ -96,13 +95,62 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
+    def rows(rng):
+        return rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+
+    return init, step, rows
+
+
+def builtin_step(cfg, batch: int, seq: int, total_steps: int):
+    """(init, step, batch maker) of the built-in loop's own train step (`ray_jax_train.lm.step`), with the optimizer
+    settings `gpu_session.py`'s loop stage trains with: clipped AdamW with a warm-up, loss-token weighting, packed
+    rows (segment ids and positions), metrics. Against the plain step it says what the loop's step itself costs."""
+    import numpy as np
+
+    from ray_jax_train.lm import state as state_lib
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.step import make_optimizer, make_train_step, new_state
+    from ray_jax_train.models.llama import create_model
+
+    args = TrainingArguments(total_steps=total_steps, batch_size=batch, max_sequence_length=seq, learning_rate=3e-4,
+                             warmup_steps=2)
+    optimizer, _ = make_optimizer(args, total_steps)
+    graphdef, _ = state_lib.split_model(create_model(cfg, lazy=True))
+
+    def init():
+        return new_state(state_lib.split_model(create_model(cfg))[1], optimizer)
+
+    def rows(rng):
+        tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+        return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq), np.int32),
+                "segment_ids": np.ones((batch, seq), np.int32),
+                "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
+
+    def step(state, batch_):
+        state, metrics = make_train_step(graphdef, optimizer)(state, batch_)
+        return state, metrics["loss"]
+
+    return init, step, rows
+
+
+def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
+            remat: bool = False, peak_tflops=None, vocab_size=None, step_kind: str = "plain") -> dict:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from ray_jax_train.models.llama import create_model, flops_per_token, num_params
+
+    cfg = build(size, seq, param_dtype, remat, vocab_size)
+    graphdef, abstract = nnx.split(create_model(cfg, lazy=True), nnx.Param)
+    make = builtin_step if step_kind == "builtin" else plain_step
+    init, step, rows = make(cfg, batch, seq, warmup + steps + 1)
     device = jax.devices()[0]
     t0 = time.perf_counter()
     state = init()  # eagerly: XLA:GPU takes minutes to compile the whole random init as one program
     step_fn = jax.jit(step, donate_argnums=0)
     rng = np.random.default_rng(0)
-    batches = [jax.device_put(rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32), device)
-               for _ in range(2)]
+    batches = [jax.device_put(rows(rng), device) for _ in range(2)]
     compiled = step_fn.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     for i in range(warmup):
@@ -121,6 +169,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
     memory = device.memory_stats() if hasattr(device, "memory_stats") else None
     return {
         "size": size,
+        "step": step_kind,
         "vocab_size": cfg.vocab_size,
         "params": num_params(nnx.merge(graphdef, abstract)),
         "device": getattr(device, "device_kind", str(device)),
@@ -161,6 +210,8 @@ def main(argv=None) -> list:
     parser.add_argument("--remat", action="store_true", help="recompute layer activations in the backward pass")
     parser.add_argument("--vocab", type=int, default=None,
                         help="override the size's vocabulary, e.g. to match a run's trained tokenizer")
+    parser.add_argument("--step", default="plain", choices=["plain", "builtin"],
+                        help="plain: a minimal AdamW step; builtin: the built-in loop's own step (ray_jax_train.lm)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 peak")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -171,7 +222,8 @@ def main(argv=None) -> list:
     for size in args.sizes:
         result = measure(size, batch=args.batch or DEFAULT_BATCH[size], seq=args.seq, steps=args.steps,
                          warmup=args.warmup, param_dtype=args.param_dtype, remat=args.remat,
-                         peak_tflops=args.peak_tflops, vocab_size=args.vocab)
+                         peak_tflops=args.peak_tflops, vocab_size=args.vocab,
+                         step_kind=args.step)
         results.append(result)
         mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak for this device)"
         print(f"{size}: {result['params'] / 1e6:.1f}M params on {result['device']}, batch {result['batch']} x "

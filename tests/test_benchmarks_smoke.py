@@ -69,7 +69,7 @@ def test_gpu_session_reads_loop_windows_and_unpacks_executables(tmp_path):
     lines = session.report_lines({"device": "X", "versions": "v", "stages": {"bare_1b": "rc -9, timed out"},
                                   "loop": dict(figures, batch=4, seq=8), "loop_over_bare": 0.5})
     assert any("| 104 | 10.0% |" in line for line in lines)
-    assert any("not measured (rc -9, timed out)" in line for line in lines) and lines[-1].endswith("0.500.")
+    assert any("not measured (rc -9, timed out)" in line for line in lines) and lines[-1].endswith("built-in loop / bare step 0.500.")
 
     archive = tmp_path / "pkg.whl"
     with zipfile.ZipFile(archive, "w") as z:
