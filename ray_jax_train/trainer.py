@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import ray
 from ray.train import DataConfig
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ReportCallback, WorkerGroupCallback
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -102,6 +102,7 @@ class JaxTrainer(DataParallelTrainer):
         if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
             ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
         self._interrupted = False
+        self._controller = None
         try:
             with _fast_report_polling():
                 result = super().fit()
@@ -109,14 +110,17 @@ class JaxTrainer(DataParallelTrainer):
             if self._interrupted:
                 raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run") from exc
             raise
+        finally:
+            controller, self._controller = self._controller, None
         if self._interrupted:
             raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run")
-        return result
+        return _with_latest_metrics(result, controller)
 
     def _register_sigint_handler(self, controller):
         import signal
 
         super()._register_sigint_handler(controller)
+        self._controller = controller  # held past run() so fit() can ask it for the latest report
         ray_handler = signal.getsignal(signal.SIGINT)
 
         def note_then_abort(signum, frame):
@@ -126,7 +130,44 @@ class JaxTrainer(DataParallelTrainer):
         signal.signal(signal.SIGINT, note_then_abort)
 
     def _create_default_callbacks(self):
-        return _without_blind_cleaner(super()._create_default_callbacks()) + [AbortIsNoPreemption()]
+        return _without_blind_cleaner(super()._create_default_callbacks()) + [AbortIsNoPreemption(),
+                                                                               LatestMetrics()]
+
+
+class LatestMetrics(ReportCallback):
+    """Keeps the latest report's metrics (rank 0's) in the controller.
+
+    Ray V2 fills `Result.metrics` from the latest *checkpoint* only, so a run that reports without checkpoints
+    returns None and one that checkpoints now and then returns stale metrics, though `Result`'s docstring (and
+    Ray Train V1, and TorchTrainer users' code) means the latest report."""
+
+    def __init__(self):
+        self.metrics = None
+
+    def after_report(self, training_report, metrics) -> None:
+        self.metrics = dict(metrics[0]) if metrics else None
+
+
+def _latest_metrics_in(controller) -> Optional[Dict[str, Any]]:
+    """Runs inside the controller actor (`__ray_call__`): the LatestMetrics callback's value."""
+    for callback in getattr(controller, "_callbacks", []):
+        if isinstance(callback, LatestMetrics):
+            return callback.metrics
+    return None
+
+
+def _with_latest_metrics(result, controller):
+    """`result` with `metrics` set to the latest report's, when the controller can still say what that was."""
+    if controller is None:  # fit() off the main thread (a Tune trial): Ray registered no handler, so no handle
+        return result
+    try:
+        latest = ray.get(controller.__ray_call__.remote(_latest_metrics_in), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - the run itself finished: keep Ray's result rather than fail it
+        logger.debug("could not read the latest report's metrics from the controller: %r", exc)
+        return result
+    if latest is not None:
+        result.metrics = latest
+    return result
 
 
 class AbortIsNoPreemption(WorkerGroupCallback):
