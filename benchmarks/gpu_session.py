@@ -25,9 +25,11 @@ import glob
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 
@@ -36,6 +38,8 @@ ROOT = os.path.dirname(HERE)
 
 LM_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                 num_key_value_heads=12)
+MIN_STAGE_S = 10  # a stage given less is skipped: no model even compiles in that
+
 SMOKE_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                    num_key_value_heads=2)
 
@@ -84,35 +88,45 @@ def prepare_env(args) -> dict:
 
 
 def run_stage(name: str, cmd: list, env: dict, limit_s: float, log) -> dict:
-    """Run `cmd`, streaming its output prefixed with the stage name; never longer than `limit_s`."""
+    """Run `cmd`, streaming its output prefixed with the stage name; killed (its whole process group) at `limit_s`.
+
+    A reader thread copies the output, so a child that hangs mid-line, or a grandchild left holding the pipe,
+    cannot stretch the limit; what it printed before the kill is kept."""
+    if limit_s < MIN_STAGE_S:
+        print(f"\n=== {name}: skipped, the session's budget is spent", flush=True)
+        return {"stage": name, "rc": None, "skipped": True}
     start = time.perf_counter()
     print(f"\n=== {name}: {' '.join(cmd)} (limit {limit_s:.0f} s)", flush=True)
-    if limit_s < 10:
-        print(f"=== {name}: skipped, no time left", flush=True)
-        return {"stage": name, "rc": None, "skipped": True}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    deadline = start + limit_s
-    timed_out = False
-    import selectors
 
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    while True:
-        if time.perf_counter() > deadline:
-            timed_out = True
-            os.killpg(proc.pid, 9)
-            break
-        if selector.select(timeout=1.0):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            print(f"[{name}] {line}", end="", flush=True)
+    def copy_output():
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            print(f"[{name}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
             log.write(f"[{name}] {line}")
-    rc = proc.wait()
+
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    try:
+        rc, timed_out = proc.wait(timeout=limit_s), False
+    except subprocess.TimeoutExpired:
+        rc, timed_out = None, True
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # on a timeout the stage; otherwise whatever it left running
+    except ProcessLookupError:
+        pass
+    rc = proc.wait() if rc is None else rc
+    reader.join(timeout=5)
     seconds = time.perf_counter() - start
     print(f"=== {name}: rc {rc}{' (timed out)' if timed_out else ''} after {seconds:.0f} s", flush=True)
     return {"stage": name, "rc": rc, "timed_out": timed_out, "seconds": round(seconds, 1)}
+
+
+def stage_status(result: dict) -> str:
+    if result.get("skipped"):
+        return "skipped: the session's budget was spent"
+    return f"rc {result['rc']}" + (", timed out" if result.get("timed_out") else "")
 
 
 def read_json(path: str):
@@ -220,8 +234,10 @@ def main(argv=None) -> int:
 
         def bare(key, name, extra, limit):
             out = os.path.join(args.out, f"{key}.json")
+            if os.path.exists(out):  # an earlier session's figures must not pass for this one's
+                os.remove(out)
             result = run_stage(name, [py, mfu, "--out", out] + extra, bare_env, min(limit, remaining()), log)
-            stages[key] = f"rc {result['rc']}" + (", timed out" if result.get("timed_out") else "")
+            stages[key] = stage_status(result)
             measured = read_json(out)
             report[key] = measured[0] if measured else None
 
@@ -232,10 +248,11 @@ def main(argv=None) -> int:
         config_path = os.path.join(args.out, "gpu_lm.json")
         with open(config_path, "w") as f:
             json.dump(lm_config(args, storage), f, indent=2)
+        run_dir = os.path.join(storage, "gpu-lm")
+        shutil.rmtree(run_dir, ignore_errors=True)  # else a rerun resumes the finished run and trains nothing
         result = run_stage("loop", [py, "-m", "ray_jax_train.cli", "fit", config_path], env,
                            min(220, remaining()), log)
-        stages["loop"] = f"rc {result['rc']}" + (", timed out" if result.get("timed_out") else "")
-        run_dir = os.path.join(storage, "gpu-lm")
+        stages["loop"] = stage_status(result)
         loop = loop_figures(run_dir, skip_windows=1 if args.smoke else 2)
         model_config = read_json(os.path.join(run_dir, "final_model", "config.json")) or {}
         if loop:
@@ -268,7 +285,7 @@ def main(argv=None) -> int:
         if not args.smoke:
             # Attention scores are materialised (no fused kernel), so 1B at batch 8 x 2048 needs more than the
             # default 75% of even an H200 without remat: batch 4 first, then batch 8 recomputing each layer.
-            bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "15"], 150)
+            bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "10"], 150)
             if not report.get("bare_1b"):
                 bare("bare_1b", "mfu 1b remat", ["--sizes", "1b", "--batch", "8", "--remat", "--steps", "10"], 150)
     report["stages"] = stages

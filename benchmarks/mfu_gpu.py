@@ -82,7 +82,7 @@ def plain_step(cfg, batch: int, seq: int, total_steps: int):
     graphdef = nnx.split(create_model(cfg, lazy=True), nnx.Param)[0]
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
 
-    def init():
+    def init():  # eagerly: XLA:GPU took minutes to compile this whole random init as one program
         params = nnx.to_pure_dict(nnx.state(create_model(cfg), nnx.Param))
         return {"params": params, "opt_state": optimizer.init(params)}
 
@@ -102,35 +102,45 @@ def plain_step(cfg, batch: int, seq: int, total_steps: int):
 
 
 def builtin_step(cfg, batch: int, seq: int, total_steps: int):
-    """(init, step, batch maker) of the built-in loop's own train step (`ray_jax_train.lm.step`), with the optimizer
-    settings `gpu_session.py`'s loop stage trains with: clipped AdamW with a warm-up, loss-token weighting, packed
-    rows (segment ids and positions), metrics. Against the plain step it says what the loop's step itself costs."""
+    """(init, step, batch maker) of the built-in loop's own train step, built as the loop builds it: its optimizer
+    (clipped AdamW with a warm-up, the settings `gpu_session.py`'s loop stage uses), its init and its jitted step
+    (`jit_train_step`, state shardings, a 1-device mesh), on packed rows (segment ids, positions, loss mask). The
+    step returns every metric and all are fetched, so nothing the loop computes is left out of the program.
+    Against the plain step it says what the loop's step itself costs."""
+    import jax
     import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.arguments import TrainingArguments
-    from ray_jax_train.lm.step import make_optimizer, make_train_step, new_state
-    from ray_jax_train.models.llama import create_model
+    from ray_jax_train.lm.step import jit_train_step, make_optimizer, new_state
 
     args = TrainingArguments(total_steps=total_steps, batch_size=batch, max_sequence_length=seq, learning_rate=3e-4,
                              warmup_steps=2)
     optimizer, _ = make_optimizer(args, total_steps)
-    graphdef, _ = state_lib.split_model(create_model(cfg, lazy=True))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+    new_state_fn = lambda params, step: new_state(params, optimizer, step)  # noqa: E731
+    graphdef, _ = state_lib.abstract_params(cfg)
+    abstract = state_lib.abstract_state(cfg, mesh, new_state_fn)
+    jitted = jit_train_step(graphdef, optimizer, 1, jax.tree.map(lambda leaf: leaf.sharding, abstract), mesh)
+    rows_sharding = NamedSharding(mesh, PartitionSpec("dp"))
 
     def init():
-        return new_state(state_lib.split_model(create_model(cfg))[1], optimizer)
+        return state_lib.initial_state({}, cfg, mesh, new_state_fn=new_state_fn)
 
     def rows(rng):
         tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-        return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq), np.int32),
+        host = {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((batch, seq), np.int32),
                 "segment_ids": np.ones((batch, seq), np.int32),
                 "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()}
+        return jax.device_put(host, rows_sharding)
 
-    def step(state, batch_):
-        state, metrics = make_train_step(graphdef, optimizer)(state, batch_)
-        return state, metrics["loss"]
+    class Step:  # the loop runs its step under the mesh; measure() lowers and calls it like a jitted function
+        def lower(self, state, batch_):
+            with jax.set_mesh(mesh):
+                return jitted.lower(state, batch_)
 
-    return init, step, rows
+    return init, Step(), rows
 
 
 def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
@@ -147,20 +157,24 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
     init, step, rows = make(cfg, batch, seq, warmup + steps + 1)
     device = jax.devices()[0]
     t0 = time.perf_counter()
-    state = init()  # eagerly: XLA:GPU takes minutes to compile the whole random init as one program
-    step_fn = jax.jit(step, donate_argnums=0)
+    state = init()
+    step_fn = step if hasattr(step, "lower") else jax.jit(step, donate_argnums=0)
     rng = np.random.default_rng(0)
-    batches = [jax.device_put(rows(rng), device) for _ in range(2)]
+    batches = [jax.device_put(rows(rng), device) if step_kind == "plain" else rows(rng) for _ in range(2)]
     compiled = step_fn.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
+
+    def loss_of(out):  # the built-in step returns all its metrics: fetch them all, as the loop does at a log step
+        return float(jax.device_get(out)["loss"]) if isinstance(out, dict) else float(out)
+
     for i in range(warmup):
-        state, loss = compiled(state, batches[i % 2])
-        float(loss)
+        state, out = compiled(state, batches[i % 2])
+        loss_of(out)
     times, losses = [], []
     for i in range(steps):
         start = time.perf_counter()
-        state, loss = compiled(state, batches[i % 2])
-        losses.append(float(loss))  # waits for the step, so each time is a whole step
+        state, out = compiled(state, batches[i % 2])
+        losses.append(loss_of(out))  # waits for the step, so each time is a whole step
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     tokens_per_s = batch * seq / step_s

@@ -143,16 +143,19 @@ class LatestMetrics(ReportCallback):
 
     def __init__(self):
         self.metrics = None
+        self.with_checkpoint = False
 
     def after_report(self, training_report, metrics) -> None:
         self.metrics = dict(metrics[0]) if metrics else None
+        self.with_checkpoint = getattr(training_report, "checkpoint", None) is not None
 
 
 def _latest_metrics_in(controller) -> Optional[Dict[str, Any]]:
-    """Runs inside the controller actor (`__ray_call__`): the LatestMetrics callback's value."""
+    """Runs inside the controller actor (`__ray_call__`): the latest report's metrics, or None where Ray's own
+    are the latest report's already (it came with a checkpoint: Ray's copy also holds what validation added)."""
     for callback in getattr(controller, "_callbacks", []):
         if isinstance(callback, LatestMetrics):
-            return callback.metrics
+            return None if callback.with_checkpoint else callback.metrics
     return None
 
 

@@ -79,3 +79,17 @@ def test_gpu_session_reads_loop_windows_and_unpacks_executables(tmp_path):
         z.writestr("pkg/__init__.py", "")
     assert session.unpack([str(tmp_path)], str(tmp_path / "site")) == ["pkg.whl"]
     assert os.access(tmp_path / "site" / "pkg" / "bin" / "server", os.X_OK)  # Ray's gcs_server / raylet must run
+
+    # A stage that hangs mid-line is killed at its limit, and what it printed is kept.
+    import io
+    import sys
+    import time
+
+    hang = "import sys, time; print('first', flush=True); sys.stdout.write('partial'); sys.stdout.flush(); time.sleep(60)"
+    log, started = io.StringIO(), time.monotonic()
+    session.MIN_STAGE_S = 1
+    result = session.run_stage("hang", [sys.executable, "-c", hang], dict(os.environ), 3, log)
+    assert result["timed_out"] and time.monotonic() - started < 20
+    assert "[hang] first" in log.getvalue() and "partial" in log.getvalue()
+    assert session.stage_status(result).endswith("timed out")
+    assert session.stage_status(session.run_stage("late", ["true"], {}, 0.5, log)).startswith("skipped")

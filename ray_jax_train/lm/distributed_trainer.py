@@ -276,8 +276,8 @@ class RayDistributedTrainer:
         trainer was given one).
 
         Starting weights, first match wins: `state`, then `model`, then the trainer's `checkpoint_path`, then a
-        new model at `scaling_index`. `result.metrics` is the last logged step's record (Ray V2 alone would
-        give the latest checkpoint's, None in a run that saved none). Under `result.path`: `metrics.jsonl` (one record per log/eval step),
+        new model at `scaling_index`. `result.metrics` holds the metrics of the run's last report, its last
+        logged step (Ray V2 alone would give the latest checkpoint's, None in a run that saved none). Under `result.path`: `metrics.jsonl` (one record per log/eval step),
         `final_model/` (HF safetensors + tokenizer) and the checkpoints. Ray, Ray Data, JAX and orbax log only
         warnings, as under the CLI, unless `verbose` (then also Train's line per report and orbax's per save).
         """
