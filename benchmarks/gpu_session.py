@@ -2,9 +2,9 @@
 
 Four stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
   1. `mfu_gpu.py --sizes 125m`: the bare jitted train step at ~125M (vocab 32k, batch 16 x 2048), bf16.
-  2. `ray-jax-train fit` on one GPU worker: Ray, jax.distributed on CUDA, Ray Data batches, the built-in loop and
-     an orbax checkpoint, a ~100M Llama (the 125m shape with the run's trained 8k vocabulary) on the standard
-     library's source, batch 16 x 1024. Tokens/s and MFU are the loop's own log-window figures, the first two
+  2. `ray-jax-train fit examples/llama_125m_gpu.yaml` on one GPU worker: Ray, jax.distributed on CUDA, Ray Data
+     batches, the built-in loop and an orbax checkpoint, a ~100M Llama (the 125m shape with the run's trained 8k
+     vocabulary) on the standard library's source, batch 16 x 1024. Tokens/s and MFU are the loop's own log-window figures, the first two
      windows dropped.
   3. `mfu_gpu.py` at stage 2's exact shape, twice: the plain step, and the loop's own step (`--step builtin`) bare.
      Loop / its own step is (a) on GPU; its own step / the plain one is what the loop's step computes beyond it.
@@ -36,8 +36,6 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-LM_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                num_key_value_heads=12)
 MIN_STAGE_S = 10  # a stage given less is skipped: no model even compiles in that
 
 SMOKE_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -138,18 +136,21 @@ def read_json(path: str):
 
 
 def lm_config(args, storage: str) -> dict:
-    smoke = args.smoke
-    return {
-        "model": dict(SMOKE_SHAPE if smoke else LM_SHAPE, type="llama", max_position_embeddings=64 if smoke else 1024,
-                      dtype="float32" if smoke else "bfloat16", param_dtype="float32", tie_word_embeddings=False),
-        "data": {"source": "stdlib", "kind": "source", "max_docs": 40 if smoke else 400},
-        "tokenizer": {"path": None, "vocab_size": 300 if smoke else 8192},
-        "training": {"total_steps": 12 if smoke else args.lm_steps, "batch_size": 4 if smoke else 16,
-                     "max_sequence_length": 32 if smoke else 1024, "learning_rate": 3e-4, "warmup_steps": 2,
-                     "log_steps": 2 if smoke else 20, "save_steps": 12 if smoke else args.lm_steps},
-        "scaling": {"num_workers": 1, "use_gpu": not smoke},
-        "run": {"name": "gpu-lm", "storage_path": storage, "max_failures": 0, "checkpoints_to_keep": 1},
-    }
+    """examples/llama_125m_gpu.yaml, the config a GPU user starts from, with this session's storage and steps
+    (and, for --smoke, a tiny CPU model)."""
+    import yaml
+
+    with open(os.path.join(ROOT, "examples", "llama_125m_gpu.yaml")) as f:
+        config = yaml.safe_load(f)
+    config["run"].update(name="gpu-lm", storage_path=storage)
+    config["training"].update(total_steps=args.lm_steps, save_steps=args.lm_steps)
+    if args.smoke:
+        config["model"].update(SMOKE_SHAPE, max_position_embeddings=64, dtype="float32")
+        config["data"]["max_docs"] = 40
+        config["tokenizer"]["vocab_size"] = 300
+        config["training"].update(total_steps=12, save_steps=12, batch_size=4, max_sequence_length=32, log_steps=2)
+        config["scaling"]["use_gpu"] = False
+    return config
 
 
 def loop_figures(run_dir: str, skip_windows: int = 2) -> dict:
