@@ -248,8 +248,14 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
         raise ValueError(
             "JaxConfig(platform='gpu', or 'cuda', its other name) but the ScalingConfig gives the workers no GPU, so "
             "JAX would find none. "
-            "Use ScalingConfig(use_gpu=True) (or resources_per_worker={'GPU': n}), or platform='cpu'."
+            "Use ScalingConfig(use_gpu=True) (with resources_per_worker={'GPU': n} for n per worker), or platform='cpu'."
         )
+    if config.platform == "gpu":
+        gpus = _gpus_per_worker(scaling_config)
+        problem = gpu_share_problem(scaling_config.num_workers, gpus, config.distributed)
+        if problem:
+            raise ValueError(f"ScalingConfig: {problem}")
+        share_gpu_memory(config, gpus)
     if config.platform == "tpu" and not scaling_config.use_tpu:
         raise ValueError(
             "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "
@@ -294,8 +300,8 @@ def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> 
         per_worker = _cpu_devices_per_worker(config, run_config)
         return None if per_worker is None else processes * per_worker
     if config.platform == "gpu":
-        gpus = (scaling_config.resources_per_worker or {}).get("GPU") or 1
-        return processes * int(gpus) if float(gpus).is_integer() else None
+        gpus = _gpus_per_worker(scaling_config)
+        return processes * max(1, int(gpus)) if gpus < 1 or gpus.is_integer() else None  # a share is one device
     return None
 
 
@@ -324,6 +330,37 @@ def hand_set_cpu_devices(environ: Mapping[str, str]) -> Optional[int]:
         return int(value)
     found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else None
+
+
+def gpu_share_problem(num_workers, gpus_per_worker: float, distributed: bool = True) -> Optional[str]:
+    """Why Ray or NCCL would refuse this many GPUs per worker, said on the driver; None when they would not."""
+    if gpus_per_worker > 1 and not float(gpus_per_worker).is_integer():
+        return (f"{gpus_per_worker:g} GPUs per worker: Ray gives a worker either a share of one GPU or a whole "
+                "number of GPUs. Use 1, 2, ..., or a share below 1.")
+    if gpus_per_worker < 1 and distributed and isinstance(num_workers, int) and num_workers > 1:
+        return (f"{gpus_per_worker:g} of a GPU per worker with {num_workers} workers: the workers form one "
+                "jax.distributed job, Ray may put two of them on one GPU, and NCCL refuses two processes of one job "
+                "on one GPU. Give each worker a whole GPU; a share below 1 is for one-worker runs that share a GPU "
+                "(Tune trials).")
+    return None
+
+
+def share_gpu_memory(config: JaxConfig, gpus_per_worker: float) -> JaxConfig:
+    """Workers given a share of a GPU: JAX's preallocation off and each process capped at its share, unless set.
+    Left alone, the first process takes 75% of the GPU and the next ones fail for memory."""
+    if gpus_per_worker < 1:
+        if config.gpu_memory_preallocate is None:
+            config.gpu_memory_preallocate = False
+        if config.gpu_memory_fraction is None:
+            config.gpu_memory_fraction = round(0.95 * gpus_per_worker, 4)
+        elif config.gpu_memory_fraction > gpus_per_worker:
+            logger.warning("gpu_memory_fraction=%g lets each worker take more of the GPU than its share (%g): the "
+                           "processes sharing it may run out of memory.", config.gpu_memory_fraction, gpus_per_worker)
+    return config
+
+
+def _gpus_per_worker(scaling_config) -> float:
+    return float((scaling_config.resources_per_worker or {}).get("GPU") or 1)
 
 
 def _requests_gpus(scaling_config) -> bool:
@@ -364,7 +401,7 @@ def assigned_gpus(process_id: int):
     if not gpu_ids:
         raise RuntimeError(
             f"Worker {process_id} was given no GPU by Ray, but JaxConfig(platform='gpu'). "
-            "Set ScalingConfig(use_gpu=True) or resources_per_worker={'GPU': n}."
+            "Set ScalingConfig(use_gpu=True) (with resources_per_worker={'GPU': n} for n per worker)."
         )
     return ",".join(gpu_ids), list(range(len(gpu_ids)))
 
@@ -451,12 +488,21 @@ def _setup_worker(
                                     f"{num_processes} (coordinator {coordinator}): {exc}") from exc
     _state.config = config
     _answer_a_second_initialize(num_processes, process_id, coordinator)
-    return {
-        "process_index": jax.process_index(),
-        "process_count": jax.process_count(),
-        "local_device_count": jax.local_device_count(),
-        "device_count": jax.device_count(),
-    }
+    try:
+        return {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "local_device_count": jax.local_device_count(),
+            "device_count": jax.device_count(),
+        }
+    except Exception as exc:
+        if config.platform != "cpu":
+            raise RuntimeError(
+                f"JAX in worker {process_id} could not start its {config.platform.upper()} backend "
+                f"({type(exc).__name__}: {exc}). Is JAX's accelerator support installed where the workers run, "
+                "matching their CUDA driver (pip install 'jax[cuda12]' or 'jax[cuda13]'; 'jax[tpu]' on TPU)? "
+                "A plain `pip install jax` runs on CPU only.") from exc
+        raise
 
 
 def _answer_a_second_initialize(num_processes: int, process_id: int, coordinator: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple,
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from ray_jax_train.backend import gpu_share_problem
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype, refuse_bool_numbers
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.quiet import quiet_run_settings, quiet_train_loop
@@ -228,22 +229,28 @@ class ExperimentConfig(_Section):
         model = self.llama_config()
         # Also here, not only when `fit` builds the trainer: `config validate` and a Tune search's base config get
         # them too (a search otherwise failed every trial the same way, after Ray was up).
-        if args.num_devices() is not None:
+        devices = args.num_devices(self.scaling.gpus_per_worker)
+        if devices is not None:
             try:
-                args.check_devices(args.num_devices())
+                args.check_devices(devices)
             except ValueError as exc:
                 raise ConfigError(f"training/scaling: {exc}") from None
             try:  # the vocabulary may still change (a tokenizer trained at run time): fit checks again then
-                args.check_model_on_mesh(model, args.num_devices())
+                args.check_model_on_mesh(model, devices)
             except ValueError as exc:
                 raise ConfigError(f"model/scaling: {exc}") from None
         if args.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
                               f"model.max_position_embeddings={model.max_position_embeddings}")
         s = self.scaling
-        if not s.use_gpu and (s.gpus_per_worker is not None or s.gpu_memory_fraction is not None):
-            raise ConfigError("scaling.gpus_per_worker / gpu_memory_fraction are set but scaling.use_gpu is false, "
-                              "so the run would use CPUs; set scaling.use_gpu: true, or remove them")
+        gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
+                    if getattr(s, k) is not None]
+        if not s.use_gpu and gpu_only:
+            raise ConfigError(f"scaling.{' / '.join(gpu_only)} set but scaling.use_gpu is false, so the run would "
+                              "use CPUs; set scaling.use_gpu: true, or remove them")
+        problem = gpu_share_problem(s.num_workers, float(s.gpus_per_worker or 1)) if s.use_gpu else None
+        if problem:
+            raise ConfigError(f"scaling.gpus_per_worker: {problem}")
         if self.data.source == [] or self.data.eval_source == []:
             raise ConfigError("data.source / data.eval_source: an empty list; give files, or 'stdlib' for the "
                               "built-in corpus")
@@ -1052,15 +1059,12 @@ def jax_config_for(scaling: ScalingSection):
     cap each process at its share, or the first trial would take 75% of the GPU and the next ones fail."""
     from ray_jax_train.backend import JaxConfig
 
+    from ray_jax_train.backend import share_gpu_memory
+
     s = scaling
     config = JaxConfig(num_cpu_devices=s.cpu_devices_per_worker, gpu_memory_fraction=s.gpu_memory_fraction,
                        gpu_memory_preallocate=s.gpu_memory_preallocate)
-    if s.use_gpu and (s.gpus_per_worker or 1) < 1:
-        if s.gpu_memory_preallocate is None:
-            config.gpu_memory_preallocate = False
-        if s.gpu_memory_fraction is None:
-            config.gpu_memory_fraction = round(0.95 * s.gpus_per_worker, 4)
-    return config
+    return share_gpu_memory(config, float(s.gpus_per_worker or 1)) if s.use_gpu else config
 
 
 def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, callbacks: Sequence[Any] = (),
@@ -1090,9 +1094,10 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         args.mesh = {"dp": -1}
     # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check); the model is only
     # now complete (its vocabulary is the tokenizer's), so it meets the mesh and its starting weights here.
-    if args.num_devices() is not None:
+    devices = args.num_devices(config.scaling.gpus_per_worker)
+    if devices is not None:
         try:
-            args.check_model_on_mesh(model_config, args.num_devices())
+            args.check_model_on_mesh(model_config, devices)
         except ValueError as exc:
             raise ConfigError(f"model/scaling: {exc}") from None
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)

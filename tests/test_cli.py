@@ -36,6 +36,23 @@ def test_example_configs_are_valid(name, capsys):
     assert "valid" in out
 
 
+def test_gpu_scaling_is_checked_on_the_driver(capsys):
+    """A GPU user's review: `config validate` skipped every device check when scaling.use_gpu was set, so a batch
+    that does not split, a mesh larger than the GPUs or a share of a GPU per worker of one job passed."""
+    gpu = os.path.join(REPO, "examples", "llama_125m_gpu.yaml")
+    bad = {("scaling.num_workers=3",): "does not split over the 3 batch shards",
+           ("scaling.gpus_per_worker=2", "scaling.mesh={dp: 1, tp: 4}"): "multiply to 4 devices, but there are 2",
+           ("scaling.num_workers=2", "scaling.mesh={dp: 1, tp: 2}"): "scaling.gpus_per_worker",
+           ("scaling.num_workers=2", "scaling.gpus_per_worker=0.5"): "NCCL refuses",
+           ("scaling.gpus_per_worker=1.5",): "whole number",
+           ("scaling.use_gpu=false", "scaling.gpu_memory_preallocate=false"): "gpu_memory_preallocate set but"}
+    for overrides, message in bad.items():
+        argv = ["config", "validate", gpu] + [x for o in overrides for x in ("--set", o)]
+        code, _, err = run(argv, capsys)
+        assert code == 2 and message in err, (overrides, err)
+    assert run(["config", "validate", gpu, "--set", "scaling.gpus_per_worker=0.25"], capsys)[0] == 0
+
+
 def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
     # A data URI is not looked for on the driver's disk (it is listed when the data is read).
     assert run(["config", "validate", TINY, "--set", "data.source=gs://bucket/corpus"], capsys)[0] == 0

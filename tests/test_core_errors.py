@@ -24,6 +24,28 @@ def test_unknown_platform():
         rjt.JaxConfig(platform="metal")
 
 
+def test_gpu_shares_are_checked_and_capped_on_the_driver():
+    """A GPU user's review: fractional GPUs for 2 workers of one job, or 1.5 GPUs, failed only in Ray or NCCL;
+    a share of a GPU from the Python API got JAX's 75% preallocation (only the CLI capped it)."""
+    def resolved(workers, gpus, **jax_config):
+        config = rjt.JaxConfig(**jax_config) if jax_config else None
+        return resolve_jax_config(config, ScalingConfig(num_workers=workers, use_gpu=True,
+                                                        resources_per_worker={"GPU": gpus}))
+
+    with pytest.raises(ValueError, match=r"0.5 of a GPU per worker with 2 workers.*NCCL.*whole GPU"):
+        resolved(2, 0.5)
+    with pytest.raises(ValueError, match=r"1.5 GPUs per worker.*whole number"):
+        resolved(1, 1.5)
+    assert resolved(2, 0.5, distributed=False).gpu_memory_fraction == pytest.approx(0.475)  # separate jobs share
+    shared = resolved(1, 0.25).worker_env()
+    assert shared["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert float(shared["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(0.2375)
+    assert resolved(1, 0.25, gpu_memory_fraction=0.2).gpu_memory_fraction == 0.2  # set by hand: kept
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in resolved(2, 2).worker_env()  # whole GPUs: JAX's defaults
+    with pytest.raises(ValueError, match=r"does not fit the 4 devices"):
+        resolved(2, 2, mesh={"dp": 8})
+
+
 def test_gpu_platform_without_gpus_in_scaling_config():
     with pytest.raises(ValueError, match="use_gpu=True"):
         rjt.JaxTrainer(_loop, jax_config=rjt.JaxConfig(platform="gpu"), scaling_config=ScalingConfig(num_workers=2))

@@ -225,12 +225,13 @@ class TrainingArguments(BaseModel):
         if all(len(set(shard[owner == w].tolist())) * workers == shards for w in range(workers)):
             return
         later = {name: size for name, size in list(axes.items())[max(batch_dims, default=-1) + 1:] if size > 1}
+        more = ("GPUs per worker; CLI: scaling.gpus_per_worker" if self.use_gpu
+                else "num_cpu_devices; CLI: scaling.cpu_devices_per_worker")
         raise ValueError(
             f"Mesh {axes} does not give each of the {workers} workers its own block of the batch (each worker has "
             f"{per_worker} device(s), a contiguous block of the mesh). Put the data axes (dp/fsdp) first, and keep "
             f"the axes after them{f' ({later})' if later else ''} inside one worker: their product must divide "
-            f"{per_worker}. Give each worker more devices (num_cpu_devices; CLI: scaling.cpu_devices_per_worker) or "
-            "make those axes smaller.")
+            f"{per_worker}. Give each worker more devices ({more}) or make those axes smaller.")
 
     def check_model_on_mesh(self, model_config, num_devices: int) -> None:
         """On the driver, the worker's check of the model against the mesh (tp and kv heads, every parameter
@@ -244,6 +245,10 @@ class TrainingArguments(BaseModel):
         mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
         check_llama_parallelism(model_config, mesh, batch_size=self.micro_batch_size)
 
-    def num_devices(self) -> Optional[int]:
-        """Devices the run will have, when the driver can know it (CPU workers)."""
-        return None if self.use_gpu else self.num_workers * self.num_cpu_devices
+    def num_devices(self, gpus_per_worker: Optional[float] = None) -> Optional[int]:
+        """Devices the run will have: CPU devices, or GPUs (`gpus_per_worker`, default 1; a share of one GPU is one
+        device). None where Ray would refuse the count anyway (a fraction above 1)."""
+        if not self.use_gpu:
+            return self.num_workers * self.num_cpu_devices
+        gpus = float(gpus_per_worker or 1)
+        return self.num_workers * max(1, int(gpus)) if gpus < 1 or gpus.is_integer() else None
