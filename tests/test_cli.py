@@ -188,7 +188,8 @@ def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys
     # The session cluster has 4 CPUs: 9 one-CPU workers can never be placed; nor can 3 on 2 GPUs.
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=9", "--set", "training.batch_size=18"], capsys)
     assert code == 2 and "scaling.num_workers=9 can never be placed" in err and "CPU=4" in err, err
-    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=3", "--set", "scaling.use_gpu=true"], capsys)
+    code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=3", "--set", "scaling.use_gpu=true",
+                        "--set", "training.batch_size=6"], capsys)
     assert code == 2 and "GPU=2" in err, err
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=2", "--set",
                         "scaling.placement_strategy=STRICT_SPREAD"], capsys)
