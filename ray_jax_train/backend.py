@@ -256,6 +256,11 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
         if problem:
             raise ValueError(f"ScalingConfig: {problem}")
         share_gpu_memory(config, gpus)
+    cpu_only = [name for name, on in (("num_cpu_devices", (config.num_cpu_devices or 1) > 1),
+                                      ("cpu_affinity", config.cpu_affinity)) if on]
+    if config.platform != "cpu" and cpu_only:
+        logger.warning("JaxConfig(%s) applies to CPU workers only; this run's are %s, so it is ignored.",
+                       ", ".join(cpu_only), config.platform.upper())
     if config.platform == "tpu" and not scaling_config.use_tpu:
         raise ValueError(
             "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "

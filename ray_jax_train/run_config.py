@@ -1057,9 +1057,7 @@ def _split_files(paths: List[str], fraction: float):
 def jax_config_for(scaling: ScalingSection):
     """JaxConfig for the workers. Fractional GPUs (Tune trials sharing one) turn JAX's preallocation off and
     cap each process at its share, or the first trial would take 75% of the GPU and the next ones fail."""
-    from ray_jax_train.backend import JaxConfig
-
-    from ray_jax_train.backend import share_gpu_memory
+    from ray_jax_train.backend import JaxConfig, share_gpu_memory
 
     s = scaling
     config = JaxConfig(num_cpu_devices=s.cpu_devices_per_worker, gpu_memory_fraction=s.gpu_memory_fraction,

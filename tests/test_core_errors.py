@@ -24,7 +24,7 @@ def test_unknown_platform():
         rjt.JaxConfig(platform="metal")
 
 
-def test_gpu_shares_are_checked_and_capped_on_the_driver():
+def test_gpu_shares_are_checked_and_capped_on_the_driver(caplog):
     """A GPU user's review: fractional GPUs for 2 workers of one job, or 1.5 GPUs, failed only in Ray or NCCL;
     a share of a GPU from the Python API got JAX's 75% preallocation (only the CLI capped it)."""
     def resolved(workers, gpus, **jax_config):
@@ -44,6 +44,9 @@ def test_gpu_shares_are_checked_and_capped_on_the_driver():
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in resolved(2, 2).worker_env()  # whole GPUs: JAX's defaults
     with pytest.raises(ValueError, match=r"does not fit the 4 devices"):
         resolved(2, 2, mesh={"dp": 8})
+    with caplog.at_level("WARNING", logger="ray_jax_train.backend"):
+        resolved(1, 1, num_cpu_devices=2, cpu_affinity=True)
+    assert "JaxConfig(num_cpu_devices, cpu_affinity) applies to CPU workers only" in caplog.text
 
 
 def test_gpu_platform_without_gpus_in_scaling_config():
