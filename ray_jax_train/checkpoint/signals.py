@@ -99,11 +99,12 @@ def _preemption_or_teardown() -> None:
         _sigterm.timer.daemon = True
         _sigterm.timer.start()
         _sigterm.preemption = True
+        # Said before the decision is published: a caller woken by it (the save) never runs ahead of the notice.
+        logger.warning(
+            "SIGTERM received: the workers save a checkpoint at their next preemption check, then this worker exits "
+            "(it exits anyway in %.0fs).", _sigterm.grace_s,
+        )
         _sigterm.decided.set()
-    logger.warning(
-        "SIGTERM received: the workers save a checkpoint at their next preemption check, then this worker exits "
-        "(it exits anyway in %.0fs).", _sigterm.grace_s,
-    )
 
 
 def _run_controller_is_gone(timeout_s: float = 5.0) -> bool:
