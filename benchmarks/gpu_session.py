@@ -1,14 +1,18 @@
 """(h) in one command on a GPU machine: what the built-in Llama reaches there, bare and through the whole stack.
 
-Four stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
-  1. `mfu_gpu.py --sizes 125m`: the bare jitted train step at ~125M (vocab 32k, batch 16 x 2048), bf16.
+Five stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
+  0. `attention_check.py`: cuDNN's fused attention against the model's materialised one (outputs and gradients,
+     causal / packed / windowed / left-padded), before any figure that uses it.
+  1. `mfu_gpu.py --sizes 125m --attention xla cudnn`: the bare jitted train step at ~125M (vocab 32k, batch
+     16 x 2048), bf16, with materialised and with fused attention.
   2. `ray-jax-train fit examples/llama_125m_gpu.yaml` on one GPU worker: Ray, jax.distributed on CUDA, Ray Data
      batches, the built-in loop and an orbax checkpoint, a ~100M Llama (the 125m shape with the run's trained 8k
-     vocabulary) on the standard library's source, batch 16 x 1024. Tokens/s and MFU are the loop's own log-window figures, the first two
-     windows dropped.
-  3. `mfu_gpu.py` at stage 2's exact shape, twice: the plain step, and the loop's own step (`--step builtin`) bare.
-     Loop / its own step is (a) on GPU; its own step / the plain one is what the loop's step computes beyond it.
-  4. `mfu_gpu.py --sizes 1b`: TinyLlama-1.1B shaped, batch 4 x 2048 (batch 8 with remat if that does not fit).
+     vocabulary) on the standard library's source, batch 16 x 1024, attention "auto". Tokens/s and MFU are the
+     loop's own log-window figures, the first two windows dropped.
+  3. `mfu_gpu.py` at stage 2's exact shape: the plain step (both attentions), and the loop's own step
+     (`--step builtin`) bare. Loop / its own step is (a) on GPU; its own step / the plain one is what the loop's
+     step computes beyond it.
+  4. `mfu_gpu.py --sizes 1b --attention cudnn`: TinyLlama-1.1B shaped, batch 4 x 2048, then batch 8.
 
     python benchmarks/gpu_session.py --out bench_out/gpu                  # a GPU machine with the stack installed
     python benchmarks/gpu_session.py --smoke --out /tmp/gpu_smoke          # CPU, tiny sizes: checks that it runs
@@ -24,6 +28,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -98,9 +103,12 @@ def run_stage(name: str, cmd: list, env: dict, limit_s: float, log) -> dict:
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
+    lines = []
+
     def copy_output():
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode("utf-8", errors="replace")
+            lines.append(line)
             print(f"[{name}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
             log.write(f"[{name}] {line}")
 
@@ -118,7 +126,7 @@ def run_stage(name: str, cmd: list, env: dict, limit_s: float, log) -> dict:
     reader.join(timeout=5)
     seconds = time.perf_counter() - start
     print(f"=== {name}: rc {rc}{' (timed out)' if timed_out else ''} after {seconds:.0f} s", flush=True)
-    return {"stage": name, "rc": rc, "timed_out": timed_out, "seconds": round(seconds, 1)}
+    return {"stage": name, "rc": rc, "timed_out": timed_out, "seconds": round(seconds, 1), "output": lines}
 
 
 def stage_status(result: dict) -> str:
@@ -135,7 +143,7 @@ def read_json(path: str):
         return None
 
 
-def lm_config(args, storage: str) -> dict:
+def lm_config(args, storage: str, attention: str = "auto") -> dict:
     """examples/llama_125m_gpu.yaml, the config a GPU user starts from, with this session's storage and steps
     (and, for --smoke, a tiny CPU model)."""
     import yaml
@@ -143,6 +151,7 @@ def lm_config(args, storage: str) -> dict:
     with open(os.path.join(ROOT, "examples", "llama_125m_gpu.yaml")) as f:
         config = yaml.safe_load(f)
     config["run"].update(name="gpu-lm", storage_path=storage)
+    config["model"]["attention_impl"] = attention
     config["training"].update(total_steps=args.lm_steps, save_steps=args.lm_steps)
     if args.smoke:
         config["model"].update(SMOKE_SHAPE, max_position_embeddings=64, dtype="float32")
@@ -182,18 +191,31 @@ def loop_figures(run_dir: str, skip_windows: int = 2) -> dict:
 
 def report_lines(report: dict) -> list:
     lines = [f"# GPU session: {report['device'] or 'unknown device'}", "", f"{report['versions']}", ""]
-    lines += ["| what | size | batch x seq | tokens/s | MFU |", "| --- | --- | --- | --- | --- |"]
+    check = report.get("attention_check") or {}
+    if check.get("results"):
+        impl = check["results"][0].get("implementation", "cudnn")
+        lines += [f"Fused attention ({impl}) against the materialised one (relative error vs float32, fused / "
+                  "materialised): "
+                  + "; ".join(f"{r['case']} " + (f"out {r['out_vs_f32']:.4f} / {r['materialised_out_vs_f32']:.4f}, "
+                                                  f"grads {r['grads_vs_f32']:.4f} / {r['materialised_grads_vs_f32']:.4f}"
+                                                  if "out" in r else r.get("error", "failed"))
+                              + ("" if r.get("ok") else " (NOT OK)") for r in check["results"]), ""]
+    else:
+        lines += [f"Fused attention check: not measured ({report['stages'].get('attention_check', 'not run')})", ""]
+    lines += ["| what | size | batch x seq | attention | tokens/s | MFU |", "| --- | --- | --- | --- | --- | --- |"]
     for key, label in (("bare_125m", "bare step"), ("loop", "built-in loop, JaxTrainer, 1 GPU worker"),
                        ("bare_same_shape", "bare step, the loop's shape"),
-                       ("builtin_same_shape", "the loop's own step, bare, its shape"), ("bare_1b", "bare step")):
-        r = report.get(key) or {}
-        if not r.get("tokens_per_s"):
-            lines.append(f"| {label} | — | — | not measured ({report['stages'].get(key, 'not run')}) | — |")
-            continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
-        size = f"{r['params'] / 1e6:.0f}M" if r.get("params") else r.get("size", "")
-        shape = f"{r.get('batch', '')} x {r.get('seq', '')}"
-        lines.append(f"| {label} | {size} | {shape} | {r['tokens_per_s']:,.0f} | {mfu} |")
+                       ("builtin_same_shape", "the loop's own step, bare, its shape"), ("bare_1b", "bare step"),
+                       ("bare_1b_b8", "bare step")):
+        measured = report.get(key) or []
+        rows = [r for r in (measured if isinstance(measured, list) else [measured]) if r.get("tokens_per_s")]
+        if not rows:
+            lines.append(f"| {label} | — | — | — | not measured ({report['stages'].get(key, 'not run')}) | — |")
+        for r in rows:
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+            size = f"{r['params'] / 1e6:.0f}M" if r.get("params") else r.get("size", "")
+            shape = f"{r.get('batch', '')} x {r.get('seq', '')}"
+            lines.append(f"| {label} | {size} | {shape} | {r.get('attention', '?')} | {r['tokens_per_s']:,.0f} | {mfu} |")
     ratios = (("loop_over_bare", "built-in loop / bare step"), ("builtin_over_bare", "the loop's step / bare step"),
               ("loop_over_builtin", "built-in loop / its own step, bare"))
     if any(report.get(key) for key, _ in ratios):
@@ -233,22 +255,30 @@ def main(argv=None) -> int:
         # The bare steps run alone on the GPU, so they may have most of it.
         bare_env = dict(env, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
 
-        def bare(key, name, extra, limit):
+        def bare(key, name, extra, limit, script=mfu):
             out = os.path.join(args.out, f"{key}.json")
             if os.path.exists(out):  # an earlier session's figures must not pass for this one's
                 os.remove(out)
-            result = run_stage(name, [py, mfu, "--out", out] + extra, bare_env, min(limit, remaining()), log)
+            result = run_stage(name, [py, script, "--out", out] + extra, bare_env, min(limit, remaining()), log)
             stages[key] = stage_status(result)
             measured = read_json(out)
-            report[key] = measured[0] if measured else None
+            report[key] = (measured[0] if len(measured) == 1 else measured) if isinstance(measured, list) else measured
 
         smoke = ["--smoke"] if args.smoke else []
-        bare("bare_125m", "mfu 125m", smoke or ["--sizes", "125m", "--steps", "20"], 110)
+        # The smoke run checks the fused path's plumbing through XLA's implementation (CPU has no cuDNN).
+        bare("attention_check", "attention check", ["--implementation", "xla" if args.smoke else "cudnn"], 60,
+             script=os.path.join(HERE, "attention_check.py"))
+        checked = (report.get("attention_check") or {}).get("results") or []
+        fused_ok = bool(checked) and all(r.get("ok") for r in checked)
+        if not fused_ok and not args.smoke:
+            print("the fused attention check failed or did not run: every stage uses attention_impl=xla", flush=True)
+        both = ["--attention", "cudnn", "xla"] if fused_ok and not args.smoke else ["--attention", "xla"]
+        bare("bare_125m", "mfu 125m", smoke + both if smoke else ["--sizes", "125m", "--steps", "20"] + both, 130)
 
         storage = os.path.abspath(os.path.join(args.out, "runs") if args.smoke else "/tmp/gpu_session_runs")
         config_path = os.path.join(args.out, "gpu_lm.json")
         with open(config_path, "w") as f:
-            json.dump(lm_config(args, storage), f, indent=2)
+            json.dump(lm_config(args, storage, attention="auto" if fused_ok else "xla"), f, indent=2)
         run_dir = os.path.join(storage, "gpu-lm")
         shutil.rmtree(run_dir, ignore_errors=True)  # else a rerun resumes the finished run and trains nothing
         result = run_stage("loop", [py, "-m", "ray_jax_train.cli", "fit", config_path], env,
@@ -258,8 +288,9 @@ def main(argv=None) -> int:
         model_config = read_json(os.path.join(run_dir, "final_model", "config.json")) or {}
         if loop:
             cfg = lm_config(args, storage)
+            said = [m.group(1) for m in map(re.compile(r"Attention: (\w+)").search, result.get("output", [])) if m]
             loop.update(batch=cfg["training"]["batch_size"], seq=cfg["training"]["max_sequence_length"],
-                        vocab_size=model_config.get("vocab_size"))
+                        vocab_size=model_config.get("vocab_size"), attention=said[0] if said else None)
         report["loop"] = loop or None
         if not args.smoke and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
             shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, "loop_metrics.jsonl"))
@@ -270,9 +301,13 @@ def main(argv=None) -> int:
                 shape += ["--batch", str(lm_config(args, storage)["training"]["batch_size"])]
             else:
                 shape += ["--sizes", "125m", "--batch", "16", "--seq", "1024", "--steps", "20"]
-            bare("bare_same_shape", "bare at the loop's shape", shape, 80)
-            bare("builtin_same_shape", "the loop's own step, bare", shape + ["--step", "builtin"], 80)
-            same, builtin = report.get("bare_same_shape") or {}, report.get("builtin_same_shape") or {}
+            bare("builtin_same_shape", "the loop's own step, bare", shape + ["--step", "builtin"], 70)
+            bare("bare_same_shape", "bare at the loop's shape", shape + both, 90)
+            builtin = report.get("builtin_same_shape") or {}
+            same_all = report.get("bare_same_shape") or []
+            # Like for like: the plain step with the attention the loop's own step (and the loop) resolved to.
+            same = next((r for r in (same_all if isinstance(same_all, list) else [same_all])
+                         if r.get("attention") == builtin.get("attention")), {})
             loop["params"] = same.get("params") or builtin.get("params")
             # loop / plain = builtin / plain (what the loop's step computes beyond a minimal one) x loop / builtin
             # (Ray, the data path and the loop around the same step)
@@ -284,11 +319,11 @@ def main(argv=None) -> int:
             stages["bare_same_shape"] = "not run: the loop wrote no final model"
 
         if not args.smoke:
-            # Attention scores are materialised (no fused kernel), so 1B at batch 8 x 2048 needs more than the
-            # default 75% of even an H200 without remat: batch 4 first, then batch 8 recomputing each layer.
-            bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "10"], 150)
-            if not report.get("bare_1b"):
-                bare("bare_1b", "mfu 1b remat", ["--sizes", "1b", "--batch", "8", "--remat", "--steps", "10"], 150)
+            # Batch 4 as in session 26 (materialised attention: 23,795 tokens/s), then 8, which fused attention's
+            # smaller footprint may allow without remat.
+            bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "10", "--attention", both[1]], 100)
+            bare("bare_1b_b8", "mfu 1b batch 8", ["--sizes", "1b", "--batch", "8", "--steps", "10",
+                                                  "--attention", both[1]], 100)
     report["stages"] = stages
     with open(os.path.join(args.out, "gpu_session.json"), "w") as f:
         json.dump(report, f, indent=2)

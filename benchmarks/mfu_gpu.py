@@ -62,12 +62,12 @@ def peak_flops(device, override_tflops=None):
     return None, f"unknown device kind {kind!r}"
 
 
-def build(size: str, seq: int, param_dtype: str, remat: bool, vocab_size=None):
+def build(size: str, seq: int, param_dtype: str, remat: bool, vocab_size=None, attention: str = "auto"):
     from ray_jax_train.config import LlamaConfig
 
     shape = dict(SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
     return LlamaConfig(**shape, max_position_embeddings=max(seq, 64), dtype="bfloat16",
-                       param_dtype=param_dtype, remat=remat, tie_word_embeddings=False)
+                       param_dtype=param_dtype, remat=remat, tie_word_embeddings=False, attention_impl=attention)
 
 
 def plain_step(cfg, batch: int, seq: int, total_steps: int):
@@ -144,14 +144,18 @@ def builtin_step(cfg, batch: int, seq: int, total_steps: int):
 
 
 def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_dtype: str = "float32",
-            remat: bool = False, peak_tflops=None, vocab_size=None, step_kind: str = "plain") -> dict:
+            remat: bool = False, peak_tflops=None, vocab_size=None, step_kind: str = "plain",
+            attention: str = "auto") -> dict:
     import jax
     import numpy as np
     from flax import nnx
 
-    from ray_jax_train.models.llama import create_model, flops_per_token, num_params
+    from ray_jax_train.models.llama import attention_implementation, create_model, flops_per_token, num_params
 
-    cfg = build(size, seq, param_dtype, remat, vocab_size)
+    cfg = build(size, seq, param_dtype, remat, vocab_size, attention)
+    # Resolved as the step resolves it (on one device, no mesh): what "auto" ran is part of the figure.
+    attention_used = attention_implementation(
+        attention, (batch, seq, cfg.num_key_value_heads, cfg.num_key_value_groups, cfg.head_dim), cfg.jnp_dtype)
     graphdef, abstract = nnx.split(create_model(cfg, lazy=True), nnx.Param)
     make = builtin_step if step_kind == "builtin" else plain_step
     init, step, rows = make(cfg, batch, seq, warmup + steps + 1)
@@ -193,6 +197,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
         "dtype": "bfloat16",
         "param_dtype": param_dtype,
         "remat": remat,
+        "attention": attention_used,
         "compile_s": round(compile_s, 2),
         "step_s_median": step_s,
         "step_s_min": min(times),
@@ -226,6 +231,8 @@ def main(argv=None) -> list:
                         help="override the size's vocabulary, e.g. to match a run's trained tokenizer")
     parser.add_argument("--step", default="plain", choices=["plain", "builtin"],
                         help="plain: a minimal AdamW step; builtin: the built-in loop's own step (ray_jax_train.lm)")
+    parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "xla", "cudnn"],
+                        help="model.attention_impl; several are measured one after the other")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 peak")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -234,19 +241,20 @@ def main(argv=None) -> list:
 
     results = []
     for size in args.sizes:
-        result = measure(size, batch=args.batch or DEFAULT_BATCH[size], seq=args.seq, steps=args.steps,
-                         warmup=args.warmup, param_dtype=args.param_dtype, remat=args.remat,
-                         peak_tflops=args.peak_tflops, vocab_size=args.vocab,
-                         step_kind=args.step)
-        results.append(result)
-        mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak for this device)"
-        print(f"{size}: {result['params'] / 1e6:.1f}M params on {result['device']}, batch {result['batch']} x "
-              f"{result['seq']}: {result['tokens_per_s']:,.0f} tokens/s, {result['model_tflops_per_s']:.1f} "
-              f"model TFLOP/s, MFU {mfu}", flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        for attention in args.attention:
+            result = measure(size, batch=args.batch or DEFAULT_BATCH[size], seq=args.seq, steps=args.steps,
+                             warmup=args.warmup, param_dtype=args.param_dtype, remat=args.remat,
+                             peak_tflops=args.peak_tflops, vocab_size=args.vocab,
+                             step_kind=args.step, attention=attention)
+            results.append(result)
+            mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (no peak for this device)"
+            print(f"{size}: {result['params'] / 1e6:.1f}M params on {result['device']}, batch {result['batch']} x "
+                  f"{result['seq']}, attention {result['attention']}: {result['tokens_per_s']:,.0f} tokens/s, "
+                  f"{result['model_tflops_per_s']:.1f} model TFLOP/s, MFU {mfu}", flush=True)
+            if args.out:  # after each figure: a later one that runs out of time must not take this one with it
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=2)
     return results
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import typing
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -165,6 +165,9 @@ class LlamaConfig(_Base):
     dtype: DType = "float32"
     param_dtype: ParamDType = "float32"
     remat: bool = False
+    # How attention is computed: "xla" materialises the scores (runs anywhere); "cudnn" is cuDNN's fused (flash)
+    # kernel, which never materialises them (NVIDIA GPUs, bf16/fp16); "auto" takes cudnn where it applies.
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     seed: int = 0
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Union[int, list[int]]] = None
@@ -369,6 +372,17 @@ class LlamaConfig(_Base):
         )
         fields.update(overrides)
         return cls(**fields)
+
+    def cudnn_attention_problem(self, *, use_gpu: bool) -> Optional[str]:
+        """Why ``attention_impl='cudnn'`` cannot run for this config, as far as the config alone says (None: it may;
+        the backend, GPU generation and mesh are checked again when the model is traced)."""
+        if not use_gpu:
+            return "the run uses CPUs, and cuDNN's fused attention runs on NVIDIA GPUs only"
+        if self.dtype not in ("bfloat16", "float16"):
+            return f"dtype={self.dtype}; cuDNN's fused attention computes in bfloat16 or float16"
+        if self.head_dim % 8 or self.head_dim > 256:
+            return f"head_dim={self.head_dim}; cuDNN needs a multiple of 8, at most 256 (128 before Hopper)"
+        return None
 
     def hf_export_problem(self) -> Optional[str]:
         """Why `to_hf_dict` would refuse this config, or None. Runs ask before training: the export comes after

@@ -45,12 +45,16 @@ def test_gpu_scaling_is_checked_on_the_driver(capsys):
            ("scaling.num_workers=2", "scaling.mesh={dp: 1, tp: 2}"): "scaling.gpus_per_worker",
            ("scaling.num_workers=2", "scaling.gpus_per_worker=0.5"): "NCCL refuses",
            ("scaling.gpus_per_worker=1.5",): "whole number",
-           ("scaling.use_gpu=false", "scaling.gpu_memory_preallocate=false"): "gpu_memory_preallocate set but"}
+           ("scaling.use_gpu=false", "scaling.gpu_memory_preallocate=false"): "gpu_memory_preallocate set but",
+           ("model.attention_impl=cudnn", "model.dtype=float32"): "'cudnn' cannot run: dtype=float32",
+           ("model.attention_impl=cudnn", "scaling.use_gpu=false"): "runs on NVIDIA GPUs only",
+           ("model.attention_impl=flash",): "model.attention_impl"}
     for overrides, message in bad.items():
         argv = ["config", "validate", gpu] + [x for o in overrides for x in ("--set", o)]
         code, _, err = run(argv, capsys)
         assert code == 2 and message in err, (overrides, err)
     assert run(["config", "validate", gpu, "--set", "scaling.gpus_per_worker=0.25"], capsys)[0] == 0
+    assert run(["config", "validate", gpu, "--set", "model.attention_impl=cudnn"], capsys)[0] == 0
 
 
 def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):

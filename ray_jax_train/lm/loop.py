@@ -97,6 +97,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     mesh = _loop_mesh(args)
     check_llama_parallelism(model_config, mesh, batch_size=args.micro_batch_size)
+    attention = _attention_in_use(model_config, mesh, args)  # an explicit "cudnn" that cannot run fails here
+    if rank0:
+        logger.info("Attention: %s (model.attention_impl=%r).", attention, model_config.attention_impl)
 
     def open_epoch(epoch: int, skip: int):
         return iter_jax_batches("train", batch_size=args.batch_size, mesh=mesh, columns=columns, dtypes=np.int32,
@@ -535,6 +538,20 @@ def _warn_about_changed_settings(restored, current_opt_state, scheduler: str, to
                    "this config's numbers: the learning rate of step %d is %.3g (%.3g with the saved ones).",
                    restored.path, ", ".join(f"{name} {old:g} -> {new:g}" for name, (old, new) in changed.items()),
                    restored.step + 1, rate(hp), rate(saved))
+
+
+def _attention_in_use(model_config, mesh, args) -> str:
+    """Which attention the step will trace to on this backend and mesh: "cudnn (fused)" or "xla (materialised)"."""
+    import jax
+
+    from ray_jax_train.models.llama import attention_implementation
+
+    cfg = model_config
+    q_shape = (args.micro_batch_size, args.max_sequence_length, cfg.num_key_value_heads, cfg.num_key_value_groups,
+               cfg.head_dim)
+    with jax.set_mesh(mesh):
+        impl = attention_implementation(cfg.attention_impl, q_shape, cfg.jnp_dtype)
+    return "cudnn (fused)" if impl == "cudnn" else "xla (materialised)"
 
 
 def _checkpointer(args, model_config):

@@ -30,7 +30,10 @@ __all__ = [
     "create_model",
     "flops_per_token",
     "init_parts",
+    "attention_implementation",
+    "fused_attention",
     "make_attention_mask",
+    "materialised_attention",
     "num_params",
     "positions_from_mask",
     "positions_from_segments",
@@ -149,6 +152,8 @@ class Attention(nnx.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.dtype = cfg.jnp_dtype
+        self.attention_impl = cfg.attention_impl
+        self.sliding_window = cfg.sliding_window
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = _dense(cfg, h, self.num_heads * d, cfg.attention_bias, rngs)
         self.k_proj = _dense(cfg, h, self.num_kv_heads * d, cfg.attention_bias, rngs)
@@ -156,7 +161,11 @@ class Attention(nnx.Module):
         self.o_proj = _dense(cfg, self.num_heads * d, h, cfg.attention_out_bias, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        return self._attend(*self._project(x, cos, sin), mask)
+        q, k, v = self._project(x, cos, sin)
+        if attention_implementation(self.attention_impl, q.shape, self.dtype) == "cudnn":
+            out = fused_attention(q, k, v, mask, self.sliding_window, implementation="cudnn")
+            return self.o_proj(out.reshape(*x.shape[:2], self.num_heads * self.head_dim))
+        return self._attend(q, k, v, mask)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, keys: jax.Array,
                values: jax.Array, index: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
@@ -183,14 +192,86 @@ class Attention(nnx.Module):
         return q, k, v
 
     def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        b, s, _, _, d = q.shape
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = constrain(scores * (d ** -0.5), ("batch", "heads", None, "seq", None))
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-        out = constrain(out, ("batch", "seq", "heads", None, None))
-        return self.o_proj(out.reshape(b, s, self.num_heads * d))
+        out = materialised_attention(q, k, v, mask, self.dtype)
+        return self.o_proj(out.reshape(*q.shape[:2], self.num_heads * self.head_dim))
+
+
+def materialised_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
+    """Attention with float32 scores ``[b, kv, groups, q, k]`` in memory; runs on every backend and mesh.
+    ``q`` [b, s, kv, groups, d], ``k``/``v`` [b, slots, kv, d], ``mask`` [b, s, slots]; returns [b, s, kv * groups, d]."""
+    b, s, kv, groups, d = q.shape
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = constrain(scores * (d ** -0.5), ("batch", "heads", None, "seq", None))
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    out = constrain(out, ("batch", "seq", "heads", None, None))
+    return out.reshape(b, s, kv * groups, d)
+
+
+def _mesh_splits(logical: str) -> int:
+    """Into how many pieces the mesh set with `jax.set_mesh` splits a logical activation dimension (1 without one)."""
+    from ray_jax_train.sharding import ACTIVATION_AXES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return math.prod(sizes.get(axis, 1) for axis in ACTIVATION_AXES.get(logical, ()))
+
+
+def cudnn_attention_problem(q_shape: Tuple[int, ...], dtype: Any) -> Optional[str]:
+    """Why cuDNN's fused attention cannot run this attention here (None: it can). ``q_shape`` is
+    ``[batch, seq, kv_heads, groups, head_dim]``; checked at trace time, against the backend and mesh in use."""
+    import jax.extend
+
+    if jax.default_backend() != "gpu" or "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
+        return f"the backend is {jax.default_backend()!r}, not an NVIDIA GPU"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the compute dtype is {jnp.dtype(dtype).name}; cuDNN's fused attention needs bfloat16 or float16"
+    seq, head_dim = q_shape[1], q_shape[-1]
+    capability = tuple(int(x) for x in str(getattr(jax.devices()[0], "compute_capability", "0.0")).split("."))
+    max_head_dim = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"head_dim={head_dim}; cuDNN needs a multiple of 8 up to {max_head_dim} on this GPU"
+    if seq % 2:
+        return f"the sequence length {seq} is odd; cuDNN's fused attention with a mask needs an even one"
+    if _mesh_splits("seq") > 1 or _mesh_splits("heads") > 1:
+        # cuDNN's partitioner refuses a sharded sequence, and needs queries and keys sharded alike over heads,
+        # which grouped-query heads split by tensor parallelism need not be.
+        return "the mesh shards the sequence or the heads (sp/tp > 1); cuDNN's attention here runs on dp/fsdp meshes"
+    return None
+
+
+def attention_implementation(requested: str, q_shape: Tuple[int, ...], dtype: Any) -> str:
+    """``"xla"`` or ``"cudnn"`` for a config's ``attention_impl``: "auto" takes cuDNN wherever it can run, and an
+    explicit "cudnn" that cannot run fails here, at trace time, saying why, rather than deep inside XLA."""
+    if requested == "xla":
+        return "xla"
+    problem = cudnn_attention_problem(q_shape, dtype)
+    if problem is None:
+        return "cudnn"
+    if requested == "cudnn":
+        raise ValueError(f"attention_impl='cudnn' cannot run: {problem}. Set attention_impl='auto' (cuDNN where "
+                         f"it can run, XLA elsewhere) or 'xla'.")
+    return "xla"
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sliding_window: Optional[int], *,
+                    implementation: str) -> jax.Array:
+    """``jax.nn.dot_product_attention`` on the model's layout: ``q`` [b, s, kv, groups, d], ``k``/``v`` [b, s, kv, d],
+    ``mask`` [b, q, k]; returns [b, s, kv * groups, d]. Causal (and the window) are passed as such so cuDNN skips the
+    blocks they exclude; the mask, which adds padding and packed segments, goes in as a bias."""
+    b, s, kv, groups, d = q.shape
+    # Query heads are kv_head * groups + g here and in jax.nn's grouped-query layout alike.
+    q = q.reshape(b, s, kv * groups, d)
+    # A query that sees no key at all (padding under left padding) sees itself instead: cuDNN's softmax over a
+    # row of equal large negatives is not guaranteed finite, and such a row's output is never used.
+    eye = jnp.eye(mask.shape[-2], mask.shape[-1], dtype=bool)[None]
+    mask = mask | (eye & ~mask.any(axis=-1, keepdims=True))
+    window = (sliding_window - 1, 0) if sliding_window is not None else None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=d ** -0.5, is_causal=True,
+                                        local_window_size=window, implementation=implementation)
 
 
 class MLP(nnx.Module):
