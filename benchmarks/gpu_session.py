@@ -143,7 +143,15 @@ def read_json(path: str):
         return None
 
 
-def lm_config(args, storage: str, attention: str = "auto") -> dict:
+# The loop at ~1B: TinyLlama-1.1B's shape (with the run's trained 8k vocabulary), batch 8 x 2048, no checkpoint
+# or export (the 13 GB train state would time the disk, not the loop).
+LOOP_1B_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, max_position_embeddings=2048)
+LOOP_1B_TRAINING = dict(batch_size=8, max_sequence_length=2048, total_steps=60, log_steps=10, save_steps=None,
+                        save_final_model=False)
+
+
+def lm_config(args, storage: str, attention: str = "auto", size: str = "125m") -> dict:
     """examples/llama_125m_gpu.yaml, the config a GPU user starts from, with this session's storage and steps
     (and, for --smoke, a tiny CPU model)."""
     import yaml
@@ -152,7 +160,11 @@ def lm_config(args, storage: str, attention: str = "auto") -> dict:
         config = yaml.safe_load(f)
     config["run"].update(name="gpu-lm", storage_path=storage)
     config["model"]["attention_impl"] = attention
-    config["training"].update(total_steps=args.lm_steps, save_steps=args.lm_steps)
+    config["training"].update(total_steps=args.lm_steps, save_steps=args.lm_steps, log_steps=args.lm_log_steps)
+    if size == "1b":
+        config["run"]["name"] = "gpu-lm-1b"
+        config["model"].update(LOOP_1B_MODEL)
+        config["training"].update(LOOP_1B_TRAINING)
     if args.smoke:
         config["model"].update(SMOKE_SHAPE, max_position_embeddings=64, dtype="float32")
         config["data"]["max_docs"] = 40
@@ -206,7 +218,7 @@ def report_lines(report: dict) -> list:
     for key, label in (("bare_125m", "bare step"), ("loop", "built-in loop, JaxTrainer, 1 GPU worker"),
                        ("bare_same_shape", "bare step, the loop's shape"),
                        ("builtin_same_shape", "the loop's own step, bare, its shape"), ("bare_1b", "bare step"),
-                       ("bare_1b_b8", "bare step")):
+                       ("bare_1b_b8", "bare step"), ("loop_1b", "built-in loop, ~1B, JaxTrainer, 1 GPU worker")):
         measured = report.get(key) or []
         rows = [r for r in (measured if isinstance(measured, list) else [measured]) if r.get("tokens_per_s")]
         if not rows:
@@ -232,6 +244,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ours-wheels", nargs="*", default=[], help="folders with this project's flax/optax/orbax")
     parser.add_argument("--budget-s", type=float, default=470, help="all stages together end within this")
     parser.add_argument("--lm-steps", type=int, default=200)
+    parser.add_argument("--lm-log-steps", type=int, default=20, help="the ~100M loop's log window, in steps")
+    parser.add_argument("--loops-only", action="store_true",
+                        help="the attention check and the two `fit` runs (~100M, ~1B) only: no bare steps")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     began = time.perf_counter()
@@ -270,32 +285,41 @@ def main(argv=None) -> int:
              script=os.path.join(HERE, "attention_check.py"))
         checked = (report.get("attention_check") or {}).get("results") or []
         fused_ok = bool(checked) and all(r.get("ok") for r in checked)
+        storage = os.path.abspath(os.path.join(args.out, "runs") if args.smoke else "/tmp/gpu_session_runs")
+
+        def fit(key, config, limit):
+            """`ray-jax-train fit` of `config`; its log-window figures, and the attention it says it used."""
+            path = os.path.join(args.out, f"{key}.config.json")
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2)
+            run_dir = os.path.join(storage, config["run"]["name"])
+            shutil.rmtree(run_dir, ignore_errors=True)  # else a rerun resumes the finished run and trains nothing
+            result = run_stage(key, [py, "-m", "ray_jax_train.cli", "fit", path], env, min(limit, remaining()), log)
+            stages[key] = stage_status(result)
+            figures = loop_figures(run_dir, skip_windows=1 if args.smoke else 2)
+            if figures:
+                said = [m.group(1) for m in map(re.compile(r"Attention: (\w+)").search, result["output"]) if m]
+                figures.update(batch=config["training"]["batch_size"], seq=config["training"]["max_sequence_length"],
+                               attention=said[0] if said else None)
+            report[key] = figures or None
+            if not args.smoke and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+                shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, f"{key}_metrics.jsonl"))
+            return run_dir
+
         if not fused_ok and not args.smoke:
             print("the fused attention check failed or did not run: every stage uses attention_impl=xla", flush=True)
         both = ["--attention", "cudnn", "xla"] if fused_ok and not args.smoke else ["--attention", "xla"]
-        bare("bare_125m", "mfu 125m", smoke + both if smoke else ["--sizes", "125m", "--steps", "20"] + both, 130)
+        attention = "auto" if fused_ok or args.smoke else "xla"
+        if not args.loops_only:
+            bare("bare_125m", "mfu 125m", smoke + both if smoke else ["--sizes", "125m", "--steps", "20"] + both, 130)
 
-        storage = os.path.abspath(os.path.join(args.out, "runs") if args.smoke else "/tmp/gpu_session_runs")
-        config_path = os.path.join(args.out, "gpu_lm.json")
-        with open(config_path, "w") as f:
-            json.dump(lm_config(args, storage, attention="auto" if fused_ok else "xla"), f, indent=2)
-        run_dir = os.path.join(storage, "gpu-lm")
-        shutil.rmtree(run_dir, ignore_errors=True)  # else a rerun resumes the finished run and trains nothing
-        result = run_stage("loop", [py, "-m", "ray_jax_train.cli", "fit", config_path], env,
-                           min(220, remaining()), log)
-        stages["loop"] = stage_status(result)
-        loop = loop_figures(run_dir, skip_windows=1 if args.smoke else 2)
+        run_dir = fit("loop", lm_config(args, storage, attention=attention), 220)
+        loop = report.get("loop") or {}
         model_config = read_json(os.path.join(run_dir, "final_model", "config.json")) or {}
-        if loop:
-            cfg = lm_config(args, storage)
-            said = [m.group(1) for m in map(re.compile(r"Attention: (\w+)").search, result.get("output", [])) if m]
-            loop.update(batch=cfg["training"]["batch_size"], seq=cfg["training"]["max_sequence_length"],
-                        vocab_size=model_config.get("vocab_size"), attention=said[0] if said else None)
-        report["loop"] = loop or None
-        if not args.smoke and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, "loop_metrics.jsonl"))
-
-        if model_config.get("vocab_size"):
+        loop["vocab_size"] = model_config.get("vocab_size")
+        if args.loops_only:
+            pass
+        elif model_config.get("vocab_size"):
             shape = smoke + ["--vocab", str(model_config["vocab_size"])]
             if args.smoke:
                 shape += ["--batch", str(lm_config(args, storage)["training"]["batch_size"])]
@@ -318,12 +342,14 @@ def main(argv=None) -> int:
         else:
             stages["bare_same_shape"] = "not run: the loop wrote no final model"
 
-        if not args.smoke:
+        if not args.smoke and not args.loops_only:
             # Batch 4 as in session 26 (materialised attention: 23,795 tokens/s), then 8, which fused attention's
             # smaller footprint may allow without remat.
             bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "10", "--attention", both[1]], 100)
             bare("bare_1b_b8", "mfu 1b batch 8", ["--sizes", "1b", "--batch", "8", "--steps", "10",
                                                   "--attention", both[1]], 100)
+        if not args.smoke:
+            fit("loop_1b", lm_config(args, storage, attention=attention, size="1b"), 240)
     report["stages"] = stages
     with open(os.path.join(args.out, "gpu_session.json"), "w") as f:
         json.dump(report, f, indent=2)
