@@ -1,6 +1,6 @@
 """(h) in one command on a GPU machine: what the built-in Llama reaches there, bare and through the whole stack.
 
-Five stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
+Six stages, each in a process of its own with a time limit, so one that fails or hangs leaves the others' figures:
   0. `attention_check.py`: cuDNN's fused attention against the model's materialised one (outputs and gradients,
      causal / packed / windowed / left-padded), before any figure that uses it.
   1. `mfu_gpu.py --sizes 125m --attention xla cudnn`: the bare jitted train step at ~125M (vocab 32k, batch
@@ -13,6 +13,9 @@ Five stages, each in a process of its own with a time limit, so one that fails o
      (`--step builtin`) bare. Loop / its own step is (a) on GPU; its own step / the plain one is what the loop's
      step computes beyond it.
   4. `mfu_gpu.py --sizes 1b --attention cudnn`: TinyLlama-1.1B shaped, batch 4 x 2048, then batch 8.
+  5. `ray-jax-train fit` of the same config at ~1B (TinyLlama's shape, the trained 8k vocabulary, batch 8 x 2048,
+     60 steps, no checkpoint): the loop at the second size.
+`--loops-only` runs stages 0, 2 and 5.
 
     python benchmarks/gpu_session.py --out bench_out/gpu                  # a GPU machine with the stack installed
     python benchmarks/gpu_session.py --smoke --out /tmp/gpu_smoke          # CPU, tiny sizes: checks that it runs

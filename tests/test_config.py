@@ -265,3 +265,16 @@ def test_booleans_are_refused_where_a_number_is_expected():
     assert (args.batch_size, args.learning_rate, args.total_steps, args.progress_bar) == (4, 1.0, 6, False)
     assert config.scaling.cpus_per_worker == 2.0
     assert LlamaConfig(rope_theta=500000, tie_word_embeddings=True).rope_theta == 500000.0
+
+
+def test_gpu_extras_pin_the_same_jax_as_the_core_dependency():
+    """`pip install '.[cuda12]'` must not pull a JAX other than the pinned one (the CUDA plugin matches jaxlib)."""
+    import pathlib
+    import re
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    core = next(d for d in project["dependencies"] if re.match(r"jax\s*[><=]", d))
+    pin = core[len("jax"):]
+    for extra in ("cuda12", "cuda13"):
+        assert project["optional-dependencies"][extra] == [f"jax[{extra}]{pin}"]
