@@ -61,6 +61,9 @@ MOVED_TRAINING_KEYS = {
     "run_name": "run.name",
     "max_failures": "run.max_failures",
     "save_total_limit": "run.checkpoints_to_keep",
+    "gpus_per_worker": "scaling.gpus_per_worker",
+    "gpu_memory_fraction": "scaling.gpu_memory_fraction",
+    "gpu_memory_preallocate": "scaling.gpu_memory_preallocate",
 }
 # Sections a Tune param space may search over: they change what a trial trains, not where or on what.
 TUNABLE_SECTIONS = ("training", "model")

@@ -353,3 +353,25 @@ def test_raw_text_trains_on_a_ray_with_one_cpu_beyond_the_workers(tokenizer_dir,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert 'RESULT {"error": null}' in done.stdout, done.stdout[-3000:]
+
+
+def test_gpu_workers_get_their_gpus_and_allocator_settings():
+    """RayDistributedTrainer gave every worker one whole GPU and JAX's defaults: no share of a GPU (Tune trials on
+    one GPU), no allocator settings. Checked on the driver, as `train()` builds them (no GPU here)."""
+    from ray_jax_train.backend import resolve_jax_config
+    from ray_jax_train.lm.distributed_trainer import scaling_and_jax_config
+
+    scaling, jax_config = scaling_and_jax_config(TrainingArguments(use_gpu=True, gpus_per_worker=0.25))
+    assert scaling.resources_per_worker == {"CPU": 1.0, "GPU": 0.25} and scaling.use_gpu
+    env = resolve_jax_config(jax_config, scaling).worker_env()
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(0.2375)
+    scaling, jax_config = scaling_and_jax_config(TrainingArguments(use_gpu=True, num_workers=2, gpus_per_worker=2,
+                                                                   gpu_memory_fraction=0.5))
+    assert scaling.resources_per_worker["GPU"] == 2.0
+    assert float(resolve_jax_config(jax_config, scaling).worker_env()["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == 0.5
+    assert TrainingArguments(use_gpu=True, num_workers=2, gpus_per_worker=2).num_devices(2) == 4
+    with pytest.raises(ValueError, match="gpu_memory_preallocate set but use_gpu is False"):
+        TrainingArguments(gpu_memory_preallocate=False)
+    with pytest.raises(ValueError, match="NCCL refuses"):
+        TrainingArguments(use_gpu=True, num_workers=2, gpus_per_worker=0.5)

@@ -89,6 +89,11 @@ class TrainingArguments(BaseModel):
     num_workers: int = Field(1, ge=1)
     num_cpu_devices: int = Field(1, ge=1)
     use_gpu: bool = False
+    # GPUs per worker (default 1; a share below 1 for one-worker runs sharing a GPU) and JAX's GPU allocator
+    # (default: JAX's own; a share turns preallocation off and caps the process at 95% of it). With use_gpu only.
+    gpus_per_worker: Optional[float] = Field(None, gt=0)
+    gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
+    gpu_memory_preallocate: Optional[bool] = None
 
     # Data columns (raw text or chat) for the driver-side tokenisation
     text_column: str = "text"
@@ -155,6 +160,17 @@ class TrainingArguments(BaseModel):
             )
         if self.total_steps is not None:
             self.check_profile_window(self.total_steps)
+        gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
+                    if getattr(self, k) is not None]
+        if gpu_only and not self.use_gpu:
+            raise ValueError(f"{' / '.join(gpu_only)} set but use_gpu is False, so the run would use CPUs; set "
+                             "use_gpu=True, or leave them out")
+        if self.use_gpu:
+            from ray_jax_train.backend import gpu_share_problem
+
+            problem = gpu_share_problem(self.num_workers, float(self.gpus_per_worker or 1))
+            if problem:
+                raise ValueError(f"gpus_per_worker: {problem}")
         return self
 
     def check_profile_window(self, total_steps: int) -> None:

@@ -281,9 +281,8 @@ class RayDistributedTrainer:
         `final_model/` (HF safetensors + tokenizer) and the checkpoints. Ray, Ray Data, JAX and orbax log only
         warnings, as under the CLI, unless `verbose` (then also Train's line per report and orbax's per save).
         """
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
-        from ray_jax_train.backend import JaxConfig
         from ray_jax_train.lm import state as state_lib
         from ray_jax_train.lm.data import prepare_lm_datasets
         from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
@@ -305,10 +304,11 @@ class RayDistributedTrainer:
         if args.mesh is None:
             args = args.model_copy()
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
-        if args.num_devices() is not None:
-            args.check_devices(args.num_devices())
-            args.check_model_on_mesh(config, args.num_devices())
-        scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)
+        devices = args.num_devices(args.gpus_per_worker)
+        if devices is not None:
+            args.check_devices(devices)
+            args.check_model_on_mesh(config, devices)
+        scaling_config, jax_config = scaling_and_jax_config(args)
         # Ray started as fit() would start it, before the first call that starts it with one CPU per core (a
         # ray.put here, Ray Data below): on a small machine too few for the workers and the data pipeline at once.
         # Whether the cluster has CPUs to spare is fit()'s check, once the datasets are built (or materialized).
@@ -344,7 +344,7 @@ class RayDistributedTrainer:
                                               tokenizer=tokenizer,
                                               **self._extra_loop_config),
                 scaling_config=scaling_config,
-                jax_config=with_trace_flags(JaxConfig(num_cpu_devices=args.num_cpu_devices), args),
+                jax_config=jax_config,
                 run_config=RunConfig(
                     name=run_name,
                     storage_path=absolute(args.output_dir) if args.output_dir else None,
@@ -369,3 +369,17 @@ class RayDistributedTrainer:
             raise ValueError(f"max_sequence_length={args.max_sequence_length} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}.")
         return config
+
+
+def scaling_and_jax_config(args: TrainingArguments):
+    """(ScalingConfig, JaxConfig) of a `train()` call: its workers, their GPUs and JAX's GPU allocator settings
+    (a share of a GPU gets JAX's preallocation off and 95% of the share, as under the CLI and JaxTrainer)."""
+    from ray.train import ScalingConfig
+
+    from ray_jax_train.backend import JaxConfig
+
+    gpus = {"CPU": 1.0, "GPU": float(args.gpus_per_worker)} if args.gpus_per_worker else None
+    scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker=gpus)
+    jax_config = JaxConfig(num_cpu_devices=args.num_cpu_devices, gpu_memory_fraction=args.gpu_memory_fraction,
+                           gpu_memory_preallocate=args.gpu_memory_preallocate)
+    return scaling_config, with_trace_flags(jax_config, args)
