@@ -49,7 +49,7 @@ def test_gpu_scaling_is_checked_on_the_driver(capsys):
            ("model.attention_impl=cudnn", "model.dtype=float32"): "'cudnn' cannot run: dtype=float32",
            ("model.attention_impl=cudnn", "scaling.use_gpu=false"): "runs on NVIDIA GPUs only",
            ("model.attention_impl=flash",): "model.attention_impl",
-           ("training.gpus_per_worker=1",): "does not belong here, set scaling.gpus_per_worker"}
+           ("training.gpus_per_worker=1",): "set it as scaling.gpus_per_worker"}
     for overrides, message in bad.items():
         argv = ["config", "validate", gpu] + [x for o in overrides for x in ("--set", o)]
         code, _, err = run(argv, capsys)
