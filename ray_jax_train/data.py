@@ -286,8 +286,30 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
         if value.dtype == object:
             value = _stack_object_column(key, value)
         dtype = dtypes.get(key) if isinstance(dtypes, Mapping) else dtypes
+        _check_integers_fit(key, value, dtype)
         out[key] = value.astype(dtype, copy=False) if dtype is not None else value
     return out
+
+
+def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
+    """Integers narrowed on the way to the devices must fit: numpy's astype and JAX's int64 -> int32 (without
+    jax_enable_x64) both wrap silently, so an id of 2**31 would train as a negative number."""
+    import jax
+
+    if value.dtype.kind not in "iu" or not value.size:
+        return
+    target = np.dtype(dtype) if dtype is not None else value.dtype
+    if dtype is None and target.itemsize == 8 and not jax.config.jax_enable_x64:
+        target = np.dtype(np.int32 if target.kind == "i" else np.uint32)  # what jax.device_put makes of it
+    if target.kind not in "iu" or (target.itemsize >= value.dtype.itemsize and target.kind == value.dtype.kind):
+        return
+    info, low, high = np.iinfo(target), value.min(), value.max()
+    if low < info.min or high > info.max:
+        raise ValueError(
+            f"Column {key!r} holds {value.dtype} values from {low} to {high}, outside {target}'s range "
+            f"[{info.min}, {info.max}], to which it is converted on the way to the devices (it would wrap silently). "
+            f"Give it a dtype that holds them (dtypes={{{key!r}: np.float32}} or a wider integer with "
+            f"jax.config.update('jax_enable_x64', True)), or fix the data.")
 
 
 def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:

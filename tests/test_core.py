@@ -537,3 +537,20 @@ def test_a_dtypes_key_naming_no_column_is_refused():
         _select(batch, None, {"idd": np.int8})
     with pytest.raises(ValueError, match=r"dtypes names columns \['x'\]"):
         _select(batch, ["id"], {"x": np.float16})  # a column left out by columns= is none of the batch's
+
+
+def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused():
+    """int64 ids past int32 became other numbers without a word: JAX (x64 off) and numpy's astype both wrap."""
+    import jax
+
+    from ray_jax_train.data import _select
+
+    big = np.array([3, 2**31 + 5], np.int64)
+    assert int(jax.device_put(big)[1]) != 2**31 + 5  # what happened before: a silently different number
+    with pytest.raises(ValueError, match=r"Column 'ids' holds int64 values from 3 to 2147483653, outside int32"):
+        _select({"ids": big}, None, None)
+    with pytest.raises(ValueError, match=r"outside uint8's range.*dtypes=\{'ids': np.float32\}"):
+        _select({"ids": np.array([-1, 4])}, None, {"ids": np.uint8})
+    fine = _select({"ids": np.array([0, 2**31 - 1], np.int64), "y": np.array([1.5, 2.0])}, None, None)
+    assert fine["ids"].dtype == np.int64 and fine["y"].dtype == np.float64  # in range: passed on unchanged
+    assert _select({"ids": big}, None, {"ids": np.float32})["ids"].dtype == np.float32
