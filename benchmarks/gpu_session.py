@@ -248,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=470, help="all stages together end within this")
     parser.add_argument("--lm-steps", type=int, default=200)
     parser.add_argument("--lm-log-steps", type=int, default=20, help="the ~100M loop's log window, in steps")
+    parser.add_argument("--profile-loop", action="store_true",
+                        help="only the ~100M loop, 150 steps, with a jax.profiler trace of steps 100-104 in OUT/profile")
     parser.add_argument("--loops-only", action="store_true",
                         help="the attention check and the two `fit` runs (~100M, ~1B) only: no bare steps")
     args = parser.parse_args(argv)
@@ -284,8 +286,9 @@ def main(argv=None) -> int:
 
         smoke = ["--smoke"] if args.smoke else []
         # The smoke run checks the fused path's plumbing through XLA's implementation (CPU has no cuDNN).
-        bare("attention_check", "attention check", ["--implementation", "xla" if args.smoke else "cudnn"], 60,
-             script=os.path.join(HERE, "attention_check.py"))
+        if not args.profile_loop:
+            bare("attention_check", "attention check", ["--implementation", "xla" if args.smoke else "cudnn"], 60,
+                 script=os.path.join(HERE, "attention_check.py"))
         checked = (report.get("attention_check") or {}).get("results") or []
         fused_ok = bool(checked) and all(r.get("ok") for r in checked)
         storage = os.path.abspath(os.path.join(args.out, "runs") if args.smoke else "/tmp/gpu_session_runs")
@@ -309,14 +312,24 @@ def main(argv=None) -> int:
                 shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(args.out, f"{key}_metrics.jsonl"))
             return run_dir
 
-        if not fused_ok and not args.smoke:
+        if args.profile_loop:
+            # A trace of 5 steady-state steps of the loop, brought back to be read off the device machine
+            # (`jax.profiler.ProfileData`): where the ~6% between the loop and its own step goes.
+            config = lm_config(args, storage, attention="auto")
+            config["training"].update(total_steps=150, save_steps=None, save_final_model=False,
+                                      profile_start_step=100, profile_num_steps=5)
+            run_dir = fit("loop", config, 170)
+            shutil.copytree(os.path.join(run_dir, "profile"), os.path.join(args.out, "profile"), dirs_exist_ok=True)
+            args.loops_only = True
+        elif not fused_ok and not args.smoke:
             print("the fused attention check failed or did not run: every stage uses attention_impl=xla", flush=True)
         both = ["--attention", "cudnn", "xla"] if fused_ok and not args.smoke else ["--attention", "xla"]
         attention = "auto" if fused_ok or args.smoke else "xla"
         if not args.loops_only:
             bare("bare_125m", "mfu 125m", smoke + both if smoke else ["--sizes", "125m", "--steps", "20"] + both, 130)
 
-        run_dir = fit("loop", lm_config(args, storage, attention=attention), 220)
+        if not args.profile_loop:
+            run_dir = fit("loop", lm_config(args, storage, attention=attention), 220)
         loop = report.get("loop") or {}
         model_config = read_json(os.path.join(run_dir, "final_model", "config.json")) or {}
         loop["vocab_size"] = model_config.get("vocab_size")
@@ -351,7 +364,7 @@ def main(argv=None) -> int:
             bare("bare_1b", "mfu 1b", ["--sizes", "1b", "--batch", "4", "--steps", "10", "--attention", both[1]], 100)
             bare("bare_1b_b8", "mfu 1b batch 8", ["--sizes", "1b", "--batch", "8", "--steps", "10",
                                                   "--attention", both[1]], 100)
-        if not args.smoke:
+        if not args.smoke and not args.profile_loop:
             fit("loop_1b", lm_config(args, storage, attention=attention, size="1b"), 240)
     report["stages"] = stages
     with open(os.path.join(args.out, "gpu_session.json"), "w") as f:
