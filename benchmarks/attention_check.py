@@ -25,6 +25,7 @@ CASES = {
     "causal": dict(),
     "packed": dict(segments=True),
     "window": dict(segments=True, window=24),
+    "window_only": dict(window=24),  # with drop_mask, is_causal and local_window_size alone must give the window
     "left_padding": dict(left_padding=True),
 }
 

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lm-steps", type=int, default=200)
     parser.add_argument("--lm-log-steps", type=int, default=20, help="the ~100M loop's log window, in steps")
     parser.add_argument("--profile-loop", action="store_true",
-                        help="only the ~100M loop, 150 steps, with a jax.profiler trace of steps 100-104 in OUT/profile")
+                        help="only the ~100M loop, 150 steps, with a jax.profiler trace of steps 100-104 in OUT/loop_profile.xplane.pb")
     parser.add_argument("--loops-only", action="store_true",
                         help="the attention check and the two `fit` runs (~100M, ~1B) only: no bare steps")
     args = parser.parse_args(argv)
@@ -319,7 +319,9 @@ def main(argv=None) -> int:
             config["training"].update(total_steps=150, save_steps=None, save_final_model=False,
                                       profile_start_step=100, profile_num_steps=5)
             run_dir = fit("loop", config, 170)
-            shutil.copytree(os.path.join(run_dir, "profile"), os.path.join(args.out, "profile"), dirs_exist_ok=True)
+            # Flat in OUT: the device tool brings back no file nested deeper than a few folders.
+            for found in glob.glob(os.path.join(run_dir, "profile", "**", "*.xplane.pb"), recursive=True):
+                shutil.copy(found, os.path.join(args.out, "loop_profile.xplane.pb"))
             args.loops_only = True
         elif not fused_ok and not args.smoke:
             print("the fused attention check failed or did not run: every stage uses attention_impl=xla", flush=True)

@@ -373,11 +373,13 @@ class LlamaConfig(_Base):
         fields.update(overrides)
         return cls(**fields)
 
-    def cudnn_attention_problem(self, *, use_gpu: bool) -> Optional[str]:
+    def cudnn_attention_problem(self, *, use_gpu: bool, seq_len: Optional[int] = None) -> Optional[str]:
         """Why ``attention_impl='cudnn'`` cannot run for this config, as far as the config alone says (None: it may;
         the backend, GPU generation and mesh are checked again when the model is traced)."""
         if not use_gpu:
             return "the run uses CPUs, and cuDNN's fused attention runs on NVIDIA GPUs only"
+        if seq_len is not None and seq_len % 2:
+            return f"the sequence length {seq_len} is odd; cuDNN's fused attention with a mask needs an even one"
         if self.dtype not in ("bfloat16", "float16"):
             return f"dtype={self.dtype}; cuDNN's fused attention computes in bfloat16 or float16"
         if self.head_dim % 8 or self.head_dim > 256:

@@ -251,7 +251,8 @@ class ExperimentConfig(_Section):
         if not s.use_gpu and gpu_only:
             raise ConfigError(f"scaling.{' / '.join(gpu_only)} set but scaling.use_gpu is false, so the run would "
                               "use CPUs; set scaling.use_gpu: true, or remove them")
-        problem = model.cudnn_attention_problem(use_gpu=s.use_gpu) if model.attention_impl == "cudnn" else None
+        problem = (model.cudnn_attention_problem(use_gpu=s.use_gpu, seq_len=args.max_sequence_length)
+                   if model.attention_impl == "cudnn" else None)
         if problem:
             raise ConfigError(f"model.attention_impl: 'cudnn' cannot run: {problem}. Use 'auto' (cuDNN where it can "
                               "run, XLA elsewhere) or 'xla'")

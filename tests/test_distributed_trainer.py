@@ -209,6 +209,9 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     with pytest.raises(ValueError, match="does not fit the model config"):
         _, wrong = split_model(trainer.create_model(scaling_index=2))
         trainer.train(1, args, sentences(10), state={"params": wrong})
+    with pytest.raises(ValueError, match="attention_impl='cudnn' cannot run: the run uses CPUs"):
+        RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
+                              config_variables={**FIXED, "attention_impl": "cudnn"}).train(1, args, sentences(10))
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         trainer.train(1, args.model_copy(update={"max_sequence_length": 128}), sentences(10))
     with pytest.raises(ValueError, match="does not split over the 2 batch shards"):

@@ -222,7 +222,9 @@ def _mesh_splits(logical: str) -> int:
 
 def cudnn_attention_problem(q_shape: Tuple[int, ...], dtype: Any) -> Optional[str]:
     """Why cuDNN's fused attention cannot run this attention here (None: it can). ``q_shape`` is
-    ``[batch, seq, kv_heads, groups, head_dim]``; checked at trace time, against the backend and mesh in use."""
+    ``[batch, seq, kv_heads, groups, head_dim]``; checked at trace time, against the default backend and the mesh
+    set with `jax.set_mesh` (a model whose arrays were put on the CPU of a GPU host is traced for the GPU: set
+    attention_impl="xla" for it)."""
     import jax.extend
 
     if jax.default_backend() != "gpu" or "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
@@ -231,6 +233,8 @@ def cudnn_attention_problem(q_shape: Tuple[int, ...], dtype: Any) -> Optional[st
         return f"the compute dtype is {jnp.dtype(dtype).name}; cuDNN's fused attention needs bfloat16 or float16"
     seq, head_dim = q_shape[1], q_shape[-1]
     capability = tuple(int(x) for x in str(getattr(jax.devices()[0], "compute_capability", "0.0")).split("."))
+    if capability < (8, 0):  # JAX does not check this; cuDNN itself would fail
+        return f"the GPU's compute capability is {'.'.join(map(str, capability))}; cuDNN's fused attention needs 8.0+"
     max_head_dim = 256 if capability >= (9, 0) else 128
     if head_dim % 8 or head_dim > max_head_dim:
         return f"head_dim={head_dim}; cuDNN needs a multiple of 8 up to {max_head_dim} on this GPU"
