@@ -301,15 +301,30 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     target = np.dtype(dtype) if dtype is not None else value.dtype
     if dtype is None and target.itemsize == 8 and not jax.config.jax_enable_x64:
         target = np.dtype(np.int32 if target.kind == "i" else np.uint32)  # what jax.device_put makes of it
+    low, high = value.min(), value.max()
+    if target.kind == "f":
+        exact = 2 ** (jax.numpy.finfo(target).nmant + 1)  # integers beyond this round to their neighbours
+        if max(abs(int(low)), abs(int(high))) > exact and key not in _warned_rounding:
+            _warned_rounding.add(key)
+            logger.warning("Column %r holds integers up to %d, past %s's exact range (+-%d): they round, and "
+                           "distinct ids may become one value. Keep it an integer column if they are ids.",
+                           key, max(abs(int(low)), abs(int(high))), target, exact)
+        return
     if target.kind not in "iu" or (target.itemsize >= value.dtype.itemsize and target.kind == value.dtype.kind):
         return
-    info, low, high = np.iinfo(target), value.min(), value.max()
+    info = np.iinfo(target)
     if low < info.min or high > info.max:
+        wider = (f"an integer dtypes entry that holds them (dtypes={{{key!r}: ...}})" if dtype is not None else
+                 "64-bit integers on the devices: jax.config.update('jax_enable_x64', True) in the training loop "
+                 "before any array is made")
         raise ValueError(
             f"Column {key!r} holds {value.dtype} values from {low} to {high}, outside {target}'s range "
             f"[{info.min}, {info.max}], to which it is converted on the way to the devices (it would wrap silently). "
-            f"Give it a dtype that holds them (dtypes={{{key!r}: np.float32}} or a wider integer with "
-            f"jax.config.update('jax_enable_x64', True)), or fix the data.")
+            f"Fix the data (e.g. renumber the ids into a smaller range), or use {wider}; not a float dtype, which "
+            f"rounds integers this large.")
+
+
+_warned_rounding: set = set()
 
 
 def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:

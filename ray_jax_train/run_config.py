@@ -244,7 +244,9 @@ class ExperimentConfig(_Section):
                 raise ConfigError(f"model/scaling: {exc}") from None
         if args.max_sequence_length > model.max_position_embeddings:
             raise ConfigError(f"training.max_sequence_length={args.max_sequence_length} exceeds "
-                              f"model.max_position_embeddings={model.max_position_embeddings}")
+                              f"model.max_position_embeddings={model.max_position_embeddings}: lower "
+                              f"training.max_sequence_length to {model.max_position_embeddings} or less, or raise "
+                              "model.max_position_embeddings (a pretrained model was trained up to its own value)")
         s = self.scaling
         gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
                     if getattr(s, k) is not None]
@@ -868,6 +870,41 @@ def read_error(exc: BaseException) -> str:
     return cause
 
 
+# What the train state's shapes depend on: a resume with any of these changed cannot restore the checkpoint.
+_STATE_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
+
+
+def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> None:
+    """A run that will resume from its latest checkpoint must build the model that checkpoint holds: said here, on
+    the driver, from the model config the checkpoint records, instead of by the workers once the state is built."""
+    from ray_jax_train.lm.export import _checkpoint_hf_config, _resolve
+
+    if model_config.hf_export_problem():
+        return  # nothing comparable was recorded with such a model
+    export_log = logging.getLogger("ray_jax_train.lm.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice is about an export, not this resume
+    try:
+        checkpoint, _ = _resolve(run_dir)
+    except (FileNotFoundError, ValueError):
+        return  # a new run, or one without a finished checkpoint: nothing to resume from
+    finally:
+        export_log.setLevel(level)
+    saved = _checkpoint_hf_config(checkpoint)
+    if not isinstance(saved, dict):
+        return  # a checkpoint from before configs were recorded: the restore still compares the arrays
+    now = model_config.to_hf_dict()
+    changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in _STATE_SHAPE_KEYS
+               if k in saved and saved.get(k) != now.get(k)]
+    if changed:
+        raise ConfigError(
+            f"model: this run resumes from {checkpoint}, whose model differs from the one the config builds now "
+            f"({'; '.join(changed)}), so the checkpoint cannot be restored. Resume with the model (and tokenizer) "
+            "settings the run started with, or start a fresh run under another name (--set run.name=...; in "
+            "Python, RunConfig(name=...)), optionally from that checkpoint as model.init_from.")
+
+
 def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:
     """Starting weights from a Hugging Face directory must fit the model the config builds (shapes only)."""
     from ray_jax_train.lm.state import check_hf_dir_fits
@@ -1108,6 +1145,8 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
             raise ConfigError(f"model/scaling: {exc}") from None
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)
     check_hf_init_dir(config, model_config)
+    if args.resume_if_possible:
+        check_resumed_model(run_dir, model_config)
 
     train_source, eval_source = _datasets(config)
     datasets, columns, total_steps = prepare_lm_datasets(

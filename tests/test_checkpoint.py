@@ -314,6 +314,12 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
     from ray_jax_train.checkpoint.core import _state_mismatch
 
     assert _state_mismatch({"k": jax.ShapeDtypeStruct((2,), jnp.uint32)}, {"k": jax.random.key(0)}) is None
+    # Params only from a whole train state: the mismatch says how (and only then).
+    array = jax.ShapeDtypeStruct((4,), jnp.float32)
+    whole = {"params": array, "opt": array}
+    assert _state_mismatch(whole, {"params": array}).endswith("pass partial=True")
+    assert _state_mismatch(whole, {"params": array}, partial=True) is None
+    assert "partial=True" not in _state_mismatch(whole, {"params": jax.ShapeDtypeStruct((3,), jnp.float32)})
     differs = r"differ \(checkpoint vs this run\) for"
     cases = [(target(hidden=32), rf"shapes {differs} 15 arrays: opt_state/0/mu/0/b \(16,\) vs \(32,\)"),
              (target(dtype=jnp.bfloat16), rf"dtypes {differs} 18 arrays: .* float32 vs bfloat16"),
@@ -474,11 +480,14 @@ def rollback_loop(config):
     ckpt.close()
     from ray_jax_train.checkpoint import CheckpointCorruptError
 
-    try:  # the run directory for one of its checkpoints: said so, not called a damaged save
+    try:  # the run directory for one of its checkpoints: said so, not called (nor logged as) a damaged save
         ckpt.restore(target, ckpt.location.uri)
         raise AssertionError("a run directory restored")
     except CheckpointCorruptError as exc:
-        assert "not a checkpoint but a directory of 3; the latest is" in str(exc), exc
+        raise AssertionError(f"a mistaken path reported as damage: {exc}")
+    except ValueError as exc:
+        assert "not a checkpoint but a directory of checkpoints: 3; the latest is" in str(exc), exc
+        assert "Pass one of them" in str(exc)
     try:
         abstract_state({"w": state["w"], "step": 5})
         raise AssertionError("a Python int became a target")

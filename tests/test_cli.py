@@ -601,7 +601,7 @@ def test_the_summary_counts_restarts_from_the_steps_logged_again(tmp_path, capsy
     args = argparse.Namespace(config="c.yaml", overrides=[])
     _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
     out = capsys.readouterr().out
-    assert "restarts:    2 (resumed from a checkpoint; logged again from step 4, 8)" in out, out
+    assert "restarts:    2 (resumed from a checkpoint; first step logged after each: 4, 8)" in out, out
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, **({"startup_s": 1.0} if s == 2
                                                                                        else {})}) + "\n" for s in (2, 4)))
     _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())

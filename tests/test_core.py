@@ -539,7 +539,7 @@ def test_a_dtypes_key_naming_no_column_is_refused():
         _select(batch, ["id"], {"x": np.float16})  # a column left out by columns= is none of the batch's
 
 
-def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused():
+def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
     """int64 ids past int32 became other numbers without a word: JAX (x64 off) and numpy's astype both wrap."""
     import jax
 
@@ -549,8 +549,15 @@ def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused():
     assert int(jax.device_put(big)[1]) != 2**31 + 5  # what happened before: a silently different number
     with pytest.raises(ValueError, match=r"Column 'ids' holds int64 values from 3 to 2147483653, outside int32"):
         _select({"ids": big}, None, None)
-    with pytest.raises(ValueError, match=r"outside uint8's range.*dtypes=\{'ids': np.float32\}"):
+    with pytest.raises(ValueError, match=r"jax_enable_x64.*not a float dtype"):
+        _select({"ids": big}, None, None)
+    with pytest.raises(ValueError, match=r"outside uint8's range.*an integer dtypes entry that holds them"):
         _select({"ids": np.array([-1, 4])}, None, {"ids": np.uint8})
     fine = _select({"ids": np.array([0, 2**31 - 1], np.int64), "y": np.array([1.5, 2.0])}, None, None)
     assert fine["ids"].dtype == np.int64 and fine["y"].dtype == np.float64  # in range: passed on unchanged
-    assert _select({"ids": big}, None, {"ids": np.float32})["ids"].dtype == np.float32
+    # To a float: allowed (features), but ids past its exact range would merge, so it is said once per column.
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.data"):
+        assert _select({"big": big}, None, {"big": np.float32})["big"].dtype == np.float32
+        _select({"big": big}, None, {"big": np.float32})
+        _select({"small": np.arange(5)}, None, {"small": np.float32})
+    assert caplog.text.count("past float32's exact range (+-16777216)") == 1, caplog.text

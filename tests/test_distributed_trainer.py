@@ -198,6 +198,8 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
         RayDistributedTrainer(tokenizer_dir, model_type="llama", model_task="image-classification")
     with pytest.raises(ValueError, match="not model config fields"):
         RayDistributedTrainer(tokenizer_dir, config_variables={"hidden_sise": 3})
+    with pytest.raises(ValueError, match=r"'/nowhere/tokeniser' is not a local directory.*hub names are not"):
+        RayDistributedTrainer("/nowhere/tokeniser")  # a typo: it trained a default model or blamed the data
     trainer = make_trainer(tokenizer_dir)
     args = one_step_args(tmp_path, "errors")
     with pytest.raises(ValueError, match="scaling_index=0 is invalid"):

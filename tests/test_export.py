@@ -161,3 +161,18 @@ def test_a_run_stopped_before_ray_registered_its_last_save_exports_that_save(run
     (unregistered / "checksums.json").unlink()
     exported = _params(export_checkpoint(copy, tmp_path / "registered"))
     assert all(np.array_equal(exported[k], final[k]) for k in final)
+
+
+def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path):
+    """A resumed CLI run with another base model failed ~40 s in, in the workers, exit 1, listing optimizer arrays;
+    the checkpoint records its model config, so the driver says it first (exit 2 through ConfigError)."""
+    from ray_jax_train.run_config import ConfigError, check_resumed_model
+
+    run_dir, tokenizer = run
+    same = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    check_resumed_model(run_dir, same)  # the run's own model resumes
+    check_resumed_model(run_dir, same.replace(rope_theta=500.0))  # shapes alike: the restore decides, not this
+    check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64))  # nothing to resume from
+    with pytest.raises(ConfigError, match=r"hidden_size 32 -> 64; intermediate_size 64 -> 96.*--set run.name"):
+        check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))

@@ -65,6 +65,7 @@ class CheckpointMismatchError(ValueError):
 
 
 _MISMATCH = "holds a different train state than this run builds: "
+_RUN_DIR = "is not a checkpoint but a directory of checkpoints: "
 
 
 def _key_names(path) -> Tuple[str, ...]:
@@ -128,6 +129,9 @@ def _state_mismatch(saved_tree, target, partial: bool = False) -> Optional[str]:
     parts = [f"{title} for {len(items)} array{'s' * (len(items) > 1)}: "
              + ", ".join(show(i) for i in items[:3]) + (", ..." if len(items) > 3 else "")
              for title, items in groups if items]
+    if parts and all(title == "only in the checkpoint" for title, items in groups if items):
+        parts.append("to read only the arrays the target names (e.g. the params of a whole train state), pass "
+                     "partial=True")
     return "; ".join(parts) or None
 
 
@@ -1139,6 +1143,9 @@ class JaxCheckpointer:
             verdicts = [json.loads(v) for v in verdicts]
             bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
             mismatch = next((v for v, _ in verdicts if v and v.startswith(_MISMATCH)), None)
+            run_dir = next((v for v, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
+            if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
+                raise ValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
             if mismatch:
                 fix = ("Give a checkpoint of this model, or the model settings it was saved with." if explicit else
                        "Resume with the model and optimizer settings the checkpoint was saved with, or start a fresh "
@@ -1178,7 +1185,7 @@ class JaxCheckpointer:
                 if not _exists(loc, required):
                     inside = _checkpoints_in(loc) if required == "_CHECKPOINT_METADATA" else []
                     if inside:  # a run directory, given for one of its checkpoints: not damage
-                        return None, (f"it is not a checkpoint but a directory of {len(inside)}; the latest is "
+                        return None, (f"{_RUN_DIR}{len(inside)}; the latest is "
                                       f"{loc.uri.rstrip('/')}/{inside[-1]}"), None
                     return None, f"{required} is missing (an unfinished or damaged save)", None
             meta = _read_json(loc, META_FILE)

@@ -103,6 +103,13 @@ class RayDistributedTrainer:
                 raise ValueError(f"model_class={model_class!r} is not supported; use LlamaForCausalLM (it serves "
                                  f"model types {', '.join(SUPPORTED_MODEL_TYPES)}).")
             model_task = model_task or "causal-language-model"
+        if pretrained_model_name_or_path is not None and not os.path.isdir(pretrained_model_name_or_path):
+            # Else the typo went unnoticed: a default-config model trained, or a "no tokenizer" error pointed away.
+            raise ValueError(
+                f"pretrained_model_name_or_path={os.fspath(pretrained_model_name_or_path)!r} is not a local "
+                "directory. Give a directory with a tokenizer and/or a Hugging Face config.json (hub names are not "
+                "downloaded: save the model and tokenizer locally first), or leave it out and pass model_type / "
+                "config_variables / tokenizer=.")
         if model_type is None and model_class is None and pretrained_model_name_or_path is None:
             model_type = "llama"
         model_type = model_type or self._model_type_from_path(pretrained_model_name_or_path) or "llama"
@@ -372,7 +379,8 @@ class RayDistributedTrainer:
         config = training_precision(config, args.dtype, args.param_dtype, loaded_weights=model is not None)
         if args.max_sequence_length > config.max_position_embeddings:
             raise ValueError(f"max_sequence_length={args.max_sequence_length} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}.")
+                             f"max_position_embeddings={config.max_position_embeddings}: lower max_sequence_length, "
+                             "or raise max_position_embeddings (config_variables) for a model trained from scratch.")
         return config
 
 

@@ -107,7 +107,9 @@ def _encode(tokenizer, prompt: Prompt) -> list[int]:
     # Only a template is needed here, not the {% generation %} tags that training on chats asks for.
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError("the tokenizer has no chat template, so it cannot render a conversation; give "
-                                  "text prompts, or set tokenizer.chat_template")
+                                  "text prompts, or give the tokenizer one (in Python: set its chat_template "
+                                  "attribute, e.g. to ray_jax_train.text.DEFAULT_CHAT_TEMPLATE, and save_pretrained "
+                                  "it into the model directory)")
     return list(tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=True, return_dict=True,
                                               add_generation_prompt=True)["input_ids"])
 

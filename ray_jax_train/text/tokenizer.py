@@ -122,9 +122,11 @@ def check_chat_template(tokenizer) -> None:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise NoChatTemplateError(
-            "the data has a messages column but the tokenizer has no chat template. Set one, e.g. "
-            "tokenizer.chat_template = ray_jax_train.text.DEFAULT_CHAT_TEMPLATE (and add its role "
-            "tokens), train one with ray_jax_train.text.train_tokenizer, or give a text column instead.")
+            "the data has a messages column but the tokenizer has no chat template. Give it one in Python: "
+            "load it (transformers.AutoTokenizer.from_pretrained(dir)), set its chat_template attribute, e.g. to "
+            "ray_jax_train.text.DEFAULT_CHAT_TEMPLATE (and add that template's role tokens), and save_pretrained(dir) "
+            "(the CLI's tokenizer.path then reads it); or train one with ray_jax_train.text.train_tokenizer (the "
+            "CLI does when tokenizer.path is not set); or give a text column instead.")
     templates = template.values() if isinstance(template, dict) else [template]
     # The tag itself, not the word: nearly every chat template mentions `add_generation_prompt`.
     if not any(_GENERATION_TAG.search(t) for t in templates):
