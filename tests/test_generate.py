@@ -104,6 +104,13 @@ def test_eos_ends_a_row_and_pads_after_it(model, prompts, greedy):
         np.testing.assert_array_equal(row[:end], ref[:end])
         assert (row[end:] == -1).all()
     assert (out[0, 3:] == -1).all()
+    # Like transformers' generate, the config's eos is the default; [] never stops (it ran past the config's eos).
+    with_eos = random_model(eos_token_id=eos)
+    stopped = np.asarray(generate(model, *prompts, max_new_tokens=12, eos_token_id=eos, pad_token_id=-1))
+    assert (stopped == -1).any()  # the eos does come up, so the default below is seen to stop
+    np.testing.assert_array_equal(np.asarray(generate(with_eos, *prompts, max_new_tokens=12, pad_token_id=-1)),
+                                  stopped)
+    np.testing.assert_array_equal(np.asarray(generate(with_eos, *prompts, max_new_tokens=12, eos_token_id=[])), greedy)
 
 
 def test_sampling_is_seeded_and_narrows_to_greedy(model, prompts, greedy):

@@ -36,11 +36,12 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
     ``temperature=0`` is greedy; otherwise tokens are sampled (``top_k``, ``top_p`` narrow the choice), reproducibly
     for a given ``seed``. A row stops after its first ``eos_token_id`` (one id or several; kept in the output) and
     holds ``pad_token_id`` (default: the config's, else the first eos id, else 0) from there on.
+    ``eos_token_id`` defaults to the model config's, as in transformers' ``generate``; ``[]`` never stops early.
     """
     config = model.config
     ids, mask = _check_prompts(config, input_ids, attention_mask, max_new_tokens)
     _check_sampling(temperature, top_k, top_p)
-    eos = _token_ids(eos_token_id, "eos_token_id")
+    eos = _token_ids(config.eos_token_id if eos_token_id is None else eos_token_id, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     # A temperature float32 cannot tell from 0 would divide the logits by zero: it is greedy anyway.
