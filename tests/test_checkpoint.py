@@ -310,6 +310,8 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
         return abstract_state(jax.tree.map(jnp.asarray, state))
 
     assert restore(target(), path, fallback=False).step == TOTAL_STEPS
+    with pytest.raises(ValueError, match=r"only the training workers know.*restore\(target, result.checkpoint\)"):
+        restore(target())  # on the driver: Ray's "get_context cannot be used outside ..." named no fix
     # A typed key array is stored as its raw words, of another shape: not a mismatch.
     from ray_jax_train.checkpoint.core import _state_mismatch
 

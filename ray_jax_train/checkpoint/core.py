@@ -1045,6 +1045,12 @@ class JaxCheckpointer:
 
         if checkpoint is not None:
             return self._restore_first([_location_of(checkpoint)], target, explicit=True, partial=partial)
+        try:
+            ray.train.get_context()
+        except RuntimeError:  # Ray's message says where not to call it, not what to do instead
+            raise ValueError("restore() without a checkpoint restores the run's latest, which only the training "
+                             "workers know. Outside them (on the driver after fit(), say) pass the checkpoint: "
+                             "restore(target, result.checkpoint) or a checkpoint path.") from None
         self._check_shared_storage()
         latest = ray.train.get_checkpoint()
         # Clean up only before this checkpointer's first save: later (a mid-run rollback) a save of its own may
