@@ -6,6 +6,7 @@ pushes JAX/XLA settings into the worker before its JAX backend starts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,6 +27,18 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 _JAX_PLATFORM_NAME = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 _PLATFORM_FROM_JAX = {"cpu": "cpu", "cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
 _MULTISLICE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
+
+
+@contextlib.contextmanager
+def _loop_context():
+    """Around each worker's training function: its end is recorded, so that a process left waiting at a checkpoint
+    exchange for it fails at once, naming it, instead of at the exchange's timeout (a rank-0-only save)."""
+    try:
+        yield
+    finally:
+        from ray_jax_train.checkpoint._sync import mark_loop_done
+
+        mark_loop_done()
 
 
 @dataclasses.dataclass
@@ -137,6 +150,10 @@ class JaxConfig(BackendConfig):
     @property
     def backend_cls(self):
         return _JaxBackend
+
+    @property
+    def train_func_context(self):
+        return _loop_context
 
     @property
     def framework(self):

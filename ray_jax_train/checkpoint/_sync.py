@@ -80,6 +80,36 @@ def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
     return _gather(client, tag, [key], timeout_ms)[0]
 
 
+# Set by each process when its training function returns (`mark_loop_done`): a process still waiting at an exchange
+# for one that has left its loop waits for nothing, and says so at once instead of at the timeout.
+_DONE_KEY = "ray_jax_train/loop_done/{}"
+_POLL_MS = 2000
+
+
+def mark_loop_done() -> None:
+    """Record in the job's key-value store that this process's training function has returned."""
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None or process_count() == 1:
+            return
+        client.key_value_set(_DONE_KEY.format(process_index()), "1")
+    except Exception as exc:  # noqa: BLE001 - advice for others' errors only: it must not fail a finished loop
+        logger.debug("Could not record the end of this process's loop: %s", exc)
+
+
+def _left_the_loop(client, processes: List[int]) -> List[int]:
+    done = []
+    for p in processes:
+        try:
+            client.key_value_try_get(_DONE_KEY.format(p))
+            done.append(p)
+        except Exception:
+            pass
+    return done
+
+
 def _missing(client, keys: List[str]) -> List[int]:
     missing = []
     for key in keys:
@@ -92,30 +122,37 @@ def _missing(client, keys: List[str]) -> List[int]:
 
 def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
     """The values under `keys`; a warning after a minute, then an error, naming the processes that never wrote.
+    A process that has already left its training function will never write: that is an error at once.
 
     A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
-    rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile."""
+    rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile, or have returned."""
     started = time.monotonic()
     deadline = started + timeout_ms / 1000
+    warn_at = started + _WARN_AFTER_MS / 1000
     warned = False
     values = []
     for key in keys:
         while True:
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
-            wait_ms = max(1, min(left_ms, _WARN_AFTER_MS) if not warned else left_ms)
             try:
-                values.append(client.blocking_key_value_get(key, wait_ms))
+                values.append(client.blocking_key_value_get(key, max(1, min(left_ms, _POLL_MS))))
                 break
             except Exception as exc:
                 if "DEADLINE_EXCEEDED" not in str(exc):
                     raise
             missing = _missing(client, keys)
-            if time.monotonic() >= deadline:
+            gone = _left_the_loop(client, missing)
+            if gone:
+                raise CollectiveTimeoutError(
+                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process(es) {gone} "
+                    f"will never reach: their training function has already returned. {_RULE}.")
+            now = time.monotonic()
+            if now >= deadline:
                 raise CollectiveTimeoutError(
                     f"Process {process_index()} waited {timeout_ms / 1000:.0f} s at the checkpoint exchange "
                     f"{tag!r} for process(es) {missing}, which never reached it. {_RULE}. If they are only slower "
                     "(a large state on slow storage), raise JaxCheckpointer(timeout_s=...).") from None
-            if not warned:
+            if not warned and now >= warn_at:
                 warned = True
                 logger.warning("Process %d has waited %.0f s at the checkpoint exchange %r for process(es) %s. %s; "
                                "a worker that is only slower (compiling, reading a large state) arrives later.",
