@@ -391,6 +391,7 @@ def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
             "Data would have no CPU to read the datasets and training would hang. Give Ray more (logical) CPUs, "
             "e.g. rjt.init_ray() or ray.init(num_cpus=...) before the first Ray Data call (making a dataset "
             "starts Ray with one logical CPU per core), or `ray start --num-cpus ...`; or fewer CPUs per worker with "
-            "ScalingConfig(resources_per_worker={'CPU': ...}). Set RAY_JAX_TRAIN_SKIP_CPU_CHECK=1 if an "
+            "ScalingConfig(resources_per_worker={'CPU': ...}); or pass datasets that need no reading any more "
+            "(ds.materialize(), if they fit in the object store). Set RAY_JAX_TRAIN_SKIP_CPU_CHECK=1 if an "
             "autoscaler will add nodes."
         )
