@@ -33,12 +33,14 @@ _MULTISLICE_KEYS = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "ME
 def _loop_context():
     """Around each worker's training function: its end is recorded, so that a process left waiting at a checkpoint
     exchange for it fails at once, naming it, instead of at the exchange's timeout (a rank-0-only save)."""
+    from ray_jax_train.checkpoint._sync import mark_loop_done
+
     try:
         yield
-    finally:
-        from ray_jax_train.checkpoint._sync import mark_loop_done
-
-        mark_loop_done()
+    except BaseException:
+        mark_loop_done("raised")  # the others keep waiting: Ray ends the group with this worker's own error
+        raise
+    mark_loop_done("returned")
 
 
 @dataclasses.dataclass

@@ -299,10 +299,13 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     if value.dtype.kind not in "iu" or not value.size:
         return
     target = np.dtype(dtype) if dtype is not None else value.dtype
-    if dtype is None and target.itemsize == 8 and not jax.config.jax_enable_x64:
-        target = np.dtype(np.int32 if target.kind == "i" else np.uint32)  # what jax.device_put makes of it
+    narrowed_by_jax = target.itemsize == 8 and target.kind in "iuf" and not jax.config.jax_enable_x64
+    if narrowed_by_jax:
+        target = np.dtype({"i": np.int32, "u": np.uint32, "f": np.float32}[target.kind])  # what device_put makes
+    if target.kind in "iu" and target.itemsize >= value.dtype.itemsize and target.kind == value.dtype.kind:
+        return
     low, high = value.min(), value.max()
-    if target.kind == "f":
+    if jax.numpy.issubdtype(target, jax.numpy.floating):  # bfloat16 too, whose numpy kind is "V"
         exact = 2 ** (jax.numpy.finfo(target).nmant + 1)  # integers beyond this round to their neighbours
         if max(abs(int(low)), abs(int(high))) > exact and key not in _warned_rounding:
             _warned_rounding.add(key)
@@ -310,13 +313,13 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
                            "distinct ids may become one value. Keep it an integer column if they are ids.",
                            key, max(abs(int(low)), abs(int(high))), target, exact)
         return
-    if target.kind not in "iu" or (target.itemsize >= value.dtype.itemsize and target.kind == value.dtype.kind):
+    if target.kind not in "iu":
         return
     info = np.iinfo(target)
     if low < info.min or high > info.max:
-        wider = (f"an integer dtypes entry that holds them (dtypes={{{key!r}: ...}})" if dtype is not None else
-                 "64-bit integers on the devices: jax.config.update('jax_enable_x64', True) in the training loop "
-                 "before any array is made")
+        wider = ("64-bit integers on the devices: jax.config.update('jax_enable_x64', True) in the training loop "
+                 "before any array is made" if narrowed_by_jax else
+                 f"an integer dtypes entry that holds them (dtypes={{{key!r}: ...}})")
         raise ValueError(
             f"Column {key!r} holds {value.dtype} values from {low} to {high}, outside {target}'s range "
             f"[{info.min}, {info.max}], to which it is converted on the way to the devices (it would wrap silently). "

@@ -871,7 +871,7 @@ def read_error(exc: BaseException) -> str:
 
 
 # What the train state's shapes depend on: a resume with any of these changed cannot restore the checkpoint.
-_STATE_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+_STATE_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
 
 
@@ -879,6 +879,7 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> None:
     """A run that will resume from its latest checkpoint must build the model that checkpoint holds: said here, on
     the driver, from the model config the checkpoint records, instead of by the workers once the state is built."""
     from ray_jax_train.lm.export import _checkpoint_hf_config, _resolve
+    from ray_jax_train.storage import exists
 
     if model_config.hf_export_problem():
         return  # nothing comparable was recorded with such a model
@@ -886,12 +887,15 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> None:
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice is about an export, not this resume
     try:
+        if exists(join(run_dir, "best.json")):
+            return  # a Tune search's directory under this name: no run resumes from it
         checkpoint, _ = _resolve(run_dir)
-    except (FileNotFoundError, ValueError):
-        return  # a new run, or one without a finished checkpoint: nothing to resume from
+        saved = _checkpoint_hf_config(checkpoint)
+    except Exception as exc:  # noqa: BLE001 - a new run, or nothing readable to resume from: the workers decide
+        logging.getLogger(__name__).debug("No resume check against %s: %s", run_dir, exc)
+        return
     finally:
         export_log.setLevel(level)
-    saved = _checkpoint_hf_config(checkpoint)
     if not isinstance(saved, dict):
         return  # a checkpoint from before configs were recorded: the restore still compares the arrays
     now = model_config.to_hf_dict()

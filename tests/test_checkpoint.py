@@ -736,10 +736,10 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
         fit("rank0", "rank0", timeout_s=4)  # rank 1 waits in Ray's report meanwhile
     # Rank 1 has returned from its loop: rank 0 says so at once, not at the timeout (10 minutes by default).
     started = time.monotonic()
-    with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\] will never reach: their training function "
+    with pytest.raises(Exception, match=r"(?s)which process 1 will never reach: its training function "
                                         r"has already returned.*not only on rank 0"):
         fit("rank0_returns", "rank0_returns", timeout_s=90)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 80  # Ray's start-up included; the timeout alone is 90 s
 
     assert fit("state", "ported").error is None
     record = json.loads((tmp_path / "state.json").read_text())

@@ -542,6 +542,7 @@ def test_a_dtypes_key_naming_no_column_is_refused():
 def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
     """int64 ids past int32 became other numbers without a word: JAX (x64 off) and numpy's astype both wrap."""
     import jax
+    import jax.numpy as jnp
 
     from ray_jax_train.data import _select
 
@@ -561,3 +562,8 @@ def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
         _select({"big": big}, None, {"big": np.float32})
         _select({"small": np.arange(5)}, None, {"small": np.float32})
     assert caplog.text.count("past float32's exact range (+-16777216)") == 1, caplog.text
+    with pytest.raises(ValueError, match=r"outside int32.*jax_enable_x64"):  # JAX narrows an explicit int64 too
+        _select({"ids": big}, None, {"ids": np.int64})
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.data"):  # bf16 (numpy kind "V") is exact to 256
+        _select({"bf": np.arange(300)}, None, {"bf": jnp.bfloat16})
+    assert "past bfloat16's exact range (+-256)" in caplog.text

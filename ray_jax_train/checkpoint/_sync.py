@@ -56,7 +56,7 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if in_order else f"ray_jax_train/ckpt/{key}"
     mine = f"{key}/{process_index()}"
     client.key_value_set(mine, value)
-    values = _gather(client, tag, [f"{key}/{p}" for p in range(process_count())], timeout_ms)
+    values = _gather(client, tag, [f"{key}/{p}" for p in range(process_count())], timeout_ms, in_order)
     if in_order:
         # Every process has written this round, so each has read every earlier one: ours can go.
         for old in _written:
@@ -77,37 +77,41 @@ def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
         client.key_value_set(key, value)
         _written.append(key)
         return value
-    return _gather(client, tag, [key], timeout_ms)[0]
+    return _gather(client, tag, [key], timeout_ms, in_order=True)[0]
 
 
-# Set by each process when its training function returns (`mark_loop_done`): a process still waiting at an exchange
-# for one that has left its loop waits for nothing, and says so at once instead of at the timeout.
+# Set by each process when its training function ends (`mark_loop_done`): a process still waiting at an in-order
+# exchange for one whose function has returned waits for nothing, and says so at once instead of at the timeout.
 _DONE_KEY = "ray_jax_train/loop_done/{}"
 _POLL_MS = 2000
 
 
-def mark_loop_done() -> None:
-    """Record in the job's key-value store that this process's training function has returned."""
+def mark_loop_done(outcome: str = "returned") -> None:
+    """Record in the job's key-value store that this process's training function has ended ("returned"/"raised")."""
     try:
         from jax._src import distributed
 
         client = distributed.global_state.client
         if client is None or process_count() == 1:
             return
-        client.key_value_set(_DONE_KEY.format(process_index()), "1")
+        client.key_value_set(_DONE_KEY.format(process_index()), outcome)
     except Exception as exc:  # noqa: BLE001 - advice for others' errors only: it must not fail a finished loop
         logger.debug("Could not record the end of this process's loop: %s", exc)
 
 
-def _left_the_loop(client, processes: List[int]) -> List[int]:
-    done = []
-    for p in processes:
-        try:
-            client.key_value_try_get(_DONE_KEY.format(p))
-            done.append(p)
-        except Exception:
-            pass
-    return done
+def _returned(client, process: int, key: str) -> bool:
+    """Whether `process` has returned from its training function without writing `key`. Its end mark is read before
+    the key: it writes the key (if ever) before its mark, so a mark seen means a key written by then is seen too."""
+    try:
+        if client.key_value_try_get(_DONE_KEY.format(process)) != "returned":
+            return False  # running, or raised: Ray ends the group with that process's own error
+    except Exception:
+        return False
+    try:
+        client.key_value_try_get(key)
+        return False
+    except Exception:
+        return True
 
 
 def _missing(client, keys: List[str]) -> List[int]:
@@ -120,9 +124,11 @@ def _missing(client, keys: List[str]) -> List[int]:
     return missing
 
 
-def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
+def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool = False) -> List[str]:
     """The values under `keys`; a warning after a minute, then an error, naming the processes that never wrote.
-    A process that has already left its training function will never write: that is an error at once.
+    In an in-order exchange (the loop's own thread), a process whose training function has returned will never
+    write: that is an error at once. Not in a keyed one: those also run in Ray's upload thread, which finishes
+    after the training function has returned.
 
     A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
     rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile, or have returned."""
@@ -140,13 +146,15 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int) -> List[str]:
             except Exception as exc:
                 if "DEADLINE_EXCEEDED" not in str(exc):
                     raise
-            missing = _missing(client, keys)
-            gone = _left_the_loop(client, missing)
-            if gone:
+            waited_for = int(key.rsplit("/", 1)[-1]) if len(keys) > 1 else 0  # a broadcast waits for process 0
+            if in_order and _returned(client, waited_for, key):
                 raise CollectiveTimeoutError(
-                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process(es) {gone} "
-                    f"will never reach: their training function has already returned. {_RULE}.")
+                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process {waited_for} "
+                    f"will never reach: its training function has already returned. {_RULE}.")
             now = time.monotonic()
+            if now < deadline and (warned or now < warn_at):
+                continue
+            missing = _missing(client, keys)
             if now >= deadline:
                 raise CollectiveTimeoutError(
                     f"Process {process_index()} waited {timeout_ms / 1000:.0f} s at the checkpoint exchange "

@@ -104,7 +104,7 @@ def _describe(leaf) -> Tuple[Optional[tuple], Optional[str]]:
     return (None if shape is None else tuple(shape)), str(np.dtype(dtype))
 
 
-def _state_mismatch(saved_tree, target, partial: bool = False) -> Optional[str]:
+def _state_mismatch(saved_tree, target, partial: bool = False, hint_partial: bool = True) -> Optional[str]:
     """What differs between a checkpoint's array metadata and the restore target, or None. A `partial` target
     may leave out arrays the checkpoint has."""
     import jax
@@ -129,7 +129,7 @@ def _state_mismatch(saved_tree, target, partial: bool = False) -> Optional[str]:
     parts = [f"{title} for {len(items)} array{'s' * (len(items) > 1)}: "
              + ", ".join(show(i) for i in items[:3]) + (", ..." if len(items) > 3 else "")
              for title, items in groups if items]
-    if parts and all(title == "only in the checkpoint" for title, items in groups if items):
+    if hint_partial and parts and all(title == "only in the checkpoint" for title, items in groups if items):
         parts.append("to read only the arrays the target names (e.g. the params of a whole train state), pass "
                      "partial=True")
     return "; ".join(parts) or None
@@ -1142,7 +1142,7 @@ class JaxCheckpointer:
     def _restore_first(self, candidates: List[_Location], target, explicit: bool, partial: bool = False) -> Restored:
         problems = []
         for i, loc in enumerate(candidates):
-            restored, problem, expected = self._try_restore(loc, target, partial)
+            restored, problem, expected = self._try_restore(loc, target, partial, explicit)
             share = start_checksums(restored.state)() if restored is not None and expected is not None else None
             verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]),
                                        timeout_ms=self._timeout_ms)
@@ -1178,8 +1178,8 @@ class JaxCheckpointer:
                "to keep older ones to fall back to.")
         )
 
-    def _try_restore(self, loc: _Location, target,
-                     partial: bool = False) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
+    def _try_restore(self, loc: _Location, target, partial: bool = False,
+                     explicit: bool = True) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
         """Restore one checkpoint on this process: (result, None, checksums to verify, or None) or
         (None, what is wrong, None). Communicates with no other process, so a failure here cannot hang."""
         import orbax.checkpoint as ocp
@@ -1201,7 +1201,8 @@ class JaxCheckpointer:
             import etils.epath as epath
 
             mismatch = _state_mismatch(
-                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target, partial)
+                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target, partial,
+                hint_partial=explicit)  # a resume's target is the whole state: partial=True is no fix there
             if mismatch:
                 return None, _MISMATCH + mismatch, None
             # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose

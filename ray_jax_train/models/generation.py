@@ -36,7 +36,9 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
     ``temperature=0`` is greedy; otherwise tokens are sampled (``top_k``, ``top_p`` narrow the choice), reproducibly
     for a given ``seed``. A row stops after its first ``eos_token_id`` (one id or several; kept in the output) and
     holds ``pad_token_id`` (default: the config's, else the first eos id, else 0) from there on.
-    ``eos_token_id`` defaults to the model config's, as in transformers' ``generate``; ``[]`` never stops early.
+    ``eos_token_id`` defaults to the model config's (transformers' ``generate`` takes it from the generation
+    config, which starts from the model config's; a separate generation_config.json is not read here); ``[]``
+    never stops early.
     """
     config = model.config
     ids, mask = _check_prompts(config, input_ids, attention_mask, max_new_tokens)
