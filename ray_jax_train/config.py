@@ -386,6 +386,12 @@ class LlamaConfig(_Base):
             return f"head_dim={self.head_dim}; cuDNN needs a multiple of 8, at most 256 (128 before Hopper)"
         return None
 
+    def check_cudnn_attention(self, *, use_gpu: bool, seq_len: Optional[int] = None) -> None:
+        """On the driver: an explicit ``attention_impl='cudnn'`` that the run cannot give raises, saying why."""
+        problem = self.cudnn_attention_problem(use_gpu=use_gpu, seq_len=seq_len)
+        if self.attention_impl == "cudnn" and problem:
+            raise ValueError(cudnn_refusal(problem))
+
     def hf_export_problem(self) -> Optional[str]:
         """Why `to_hf_dict` would refuse this config, or None. Runs ask before training: the export comes after
         the last step, so a refused config must fail first, not once the training is done."""
@@ -542,6 +548,11 @@ class MeshSpec(_Base):
 
     def shape(self, num_devices: int) -> dict[str, int]:
         return dict(zip(self.axis_names, self.resolve(num_devices)))
+
+
+def cudnn_refusal(problem: str) -> str:
+    return (f"attention_impl='cudnn' cannot run: {problem}. Use attention_impl='auto' (cuDNN where it can run, XLA "
+            "elsewhere) or 'xla'.")
 
 
 class ModelScaling(_Base):

@@ -253,11 +253,10 @@ class ExperimentConfig(_Section):
         if not s.use_gpu and gpu_only:
             raise ConfigError(f"scaling.{' / '.join(gpu_only)} set but scaling.use_gpu is false, so the run would "
                               "use CPUs; set scaling.use_gpu: true, or remove them")
-        problem = (model.cudnn_attention_problem(use_gpu=s.use_gpu, seq_len=args.max_sequence_length)
-                   if model.attention_impl == "cudnn" else None)
-        if problem:
-            raise ConfigError(f"model.attention_impl: 'cudnn' cannot run: {problem}. Use 'auto' (cuDNN where it can "
-                              "run, XLA elsewhere) or 'xla'")
+        try:
+            model.check_cudnn_attention(use_gpu=s.use_gpu, seq_len=args.max_sequence_length)
+        except ValueError as exc:
+            raise ConfigError(f"model.{exc}") from None
         problem = gpu_share_problem(s.num_workers, float(s.gpus_per_worker or 1)) if s.use_gpu else None
         if problem:
             raise ConfigError(f"scaling.gpus_per_worker: {problem}")

@@ -311,11 +311,7 @@ class RayDistributedTrainer:
         if args.mesh is None:
             args = args.model_copy()
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
-        if config.attention_impl == "cudnn":
-            problem = config.cudnn_attention_problem(use_gpu=args.use_gpu, seq_len=args.max_sequence_length)
-            if problem:
-                raise ValueError(f"attention_impl='cudnn' cannot run: {problem}. Use 'auto' (cuDNN where it can run, "
-                                 "XLA elsewhere) or 'xla'.")
+        config.check_cudnn_attention(use_gpu=args.use_gpu, seq_len=args.max_sequence_length)
         devices = args.num_devices(args.gpus_per_worker)
         if devices is not None:
             args.check_devices(devices)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ray_jax_train.config import LlamaConfig
+from ray_jax_train.config import LlamaConfig, cudnn_refusal
 from ray_jax_train.models.linear import Linear, matmul
 from ray_jax_train.sharding import constrain
 
@@ -26,12 +26,12 @@ __all__ = [
     "LlamaForCausalLM",
     "MLP",
     "RMSNorm",
+    "attention_implementation",
     "count_params",
     "create_model",
     "flops_per_token",
-    "init_parts",
-    "attention_implementation",
     "fused_attention",
+    "init_parts",
     "make_attention_mask",
     "materialised_attention",
     "num_params",
@@ -256,8 +256,7 @@ def attention_implementation(requested: str, q_shape: Tuple[int, ...], dtype: An
     if problem is None:
         return "cudnn"
     if requested == "cudnn":
-        raise ValueError(f"attention_impl='cudnn' cannot run: {problem}. Set attention_impl='auto' (cuDNN where "
-                         f"it can run, XLA elsewhere) or 'xla'.")
+        raise ValueError(cudnn_refusal(problem))
     return "xla"
 
 
