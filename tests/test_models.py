@@ -396,3 +396,27 @@ def test_rotary_frequencies_are_transformers_own(theta, head_dim):
     assert ours.dtype == np.float32 and ours.shape == theirs.shape
     ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
     assert ulps.max() <= 1 and np.mean(ulps == 0) > 0.9, ulps
+
+
+def test_starting_from_hf_weights_is_said_and_uses_them(tmp_path, caplog):
+    """A run from model.init_from never said the weights were loaded (a fine-tuning user checked with lr=1e-9)."""
+    import logging
+
+    import optax
+
+    from ray_jax_train import make_mesh
+    from ray_jax_train.lm.state import initial_state
+    from ray_jax_train.lm.step import new_state
+
+    cfg = LlamaConfig(**TINY)
+    source = create_model(cfg)
+    save_pretrained(source, tmp_path)
+    with caplog.at_level(logging.INFO, logger="ray_jax_train.lm.state"):
+        state = initial_state({"source": "hf", "path": str(tmp_path)}, cfg, make_mesh({"dp": -1}),
+                              new_state_fn=lambda p, step: new_state(p, optax.sgd(0.1), step))
+    assert f"Initial weights: the Hugging Face model in {tmp_path}." in caplog.text
+    want = nnx.to_pure_dict(nnx.state(source, nnx.Param))
+    got = state["params"]
+    assert len(jax.tree.leaves(want)) == len(jax.tree.leaves(got)) > 0
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)))

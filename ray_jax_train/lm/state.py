@@ -215,6 +215,9 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, mesh, *, new_state_
     else:
         _check_visible_here(init["path"])
         params = restore_params(init["path"], config, mesh)
+    if source != "scratch" and jax.process_index() == 0:  # else nothing said the starting weights were used
+        where = {"hf": "the Hugging Face model in", "checkpoint": "the checkpoint"}.get(source)
+        logger.info("Initial weights: %s.", f"{where} {init['path']}" if where else f"the given {source}")
 
     shardings = state_shardings(jax.eval_shape(lambda p: new_state_fn(p, 0), params), mesh)
     # Params made here are donated: the state's params alias them instead of holding a second copy at start-up.
