@@ -26,6 +26,7 @@ _LAZY = {
     "flops_per_token": "ray_jax_train.models",
     "generate": "ray_jax_train.models",
     "generate_text": "ray_jax_train.models",
+    "generation_eos_ids": "ray_jax_train.models",
     # the causal-LM trainer (EasyDeL's RayDistributedTrainer API, on Ray)
     "RayDistributedTrainer": "ray_jax_train.lm",
     "TrainingArguments": "ray_jax_train.lm",

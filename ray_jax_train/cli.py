@@ -180,9 +180,11 @@ def _warn_if_in_ray_package_cache(path: str) -> None:
 
 
 def cmd_fit(args) -> int:
-    from ray_jax_train.run_config import ConfigError, build_trainer, check_cluster_fits, load_config, read_error
+    from ray_jax_train.run_config import (ConfigError, build_trainer, check_cluster_fits, check_data_columns,
+                                          load_config, read_error)
 
     config = load_config(args.config, args.overrides)
+    check_data_columns(config)  # before Ray starts
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     started = time.time()
@@ -290,10 +292,11 @@ def cmd_tune(args) -> int:
     import shlex
 
     from ray_jax_train import tune
-    from ray_jax_train.run_config import ConfigError, load_config
+    from ray_jax_train.run_config import ConfigError, check_data_columns, load_config
 
     config = load_config(args.config, args.overrides)  # validate before Ray starts
     tune.require_param_space(config)
+    check_data_columns(config)
     resume = args.resume or args.resume_errored
     if resume:
         tune.can_resume(config)  # a changed config is refused before Ray starts
@@ -377,7 +380,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from ray_jax_train.models import from_pretrained, generate_text
+    from ray_jax_train.models import from_pretrained, generate_text, generation_eos_ids
     from ray_jax_train.text import load_tokenizer
 
     model_dir = args.model_dir
@@ -400,7 +403,7 @@ def cmd_generate(args) -> int:
     try:
         text = generate_text(from_pretrained(model_dir), load_tokenizer(tokenizer_dir), prompt,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=args.seed)
+                             top_p=args.top_p, seed=args.seed, eos_token_id=generation_eos_ids(model_dir))
     except ValueError as exc:  # a bad checkpoint, prompt or sampling setting: a message, not a traceback
         raise UsageError(str(exc)) from None
     print(text)
@@ -424,12 +427,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from ray_jax_train.run_config import dump, load_config
+    from ray_jax_train.run_config import check_data_columns, dump, load_config
 
     config = load_config(args.config, args.overrides)
     if args.config_command == "show":
         sys.stdout.write(dump(config))
     else:
+        check_data_columns(config)
         print(f"{args.config}: valid")
     return EXIT_OK
 

@@ -811,6 +811,35 @@ def dump(config: ExperimentConfig) -> str:
 # -- building the run --------------------------------------------------------------------------------------
 
 
+def check_data_columns(config: ExperimentConfig) -> None:
+    """The text or messages column, and a chat template for conversations, checked in the first rows of local data
+    files without Ray: `config validate` says what `fit` would only find once Ray and its reads are up (~20 s), and
+    `fit` / `tune` say it before Ray starts. Data this cannot read cheaply (URIs, .json arrays) is checked when read."""
+    from ray_jax_train.text import check_chat_template, load_tokenizer
+    from ray_jax_train.text.errors import TextDataError
+    from ray_jax_train.text.sources import peek_columns, resolve_column
+
+    text_column = config.training.get("text_column", "text")
+    messages_column = config.training.get("messages_column", "messages")
+    for which in ("source", "eval_source"):
+        peeked = peek_columns(config.data.paths(which))
+        if peeked is None:
+            continue
+        first, columns = peeked
+        try:
+            kind, _ = resolve_column(columns, text_column, messages_column)
+        except TextDataError as exc:
+            raise ConfigError(f"data.{which} ({first}): {exc}") from None
+        tokenizer_dir = config.tokenizer.path or hf_tokenizer_dir(config)
+        if kind != "messages" or tokenizer_dir is None or is_uri(tokenizer_dir):
+            continue  # a tokenizer trained at run time gets a chat template that marks assistant turns
+        try:
+            check_chat_template(load_tokenizer(tokenizer_dir))
+        except TextDataError as exc:
+            raise ConfigError(f"data.{which} ({first}) holds conversations in {messages_column!r}, and the tokenizer "
+                              f"in {tokenizer_dir} cannot train on them: {exc}") from None
+
+
 def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[str]:
     """Texts to train a tokenizer on: the stdlib corpus, or the first `data.max_docs` rows of the data files: their
     text column, or their conversations' message contents (a messages column wins, as in training)."""

@@ -58,6 +58,38 @@ def test_gpu_scaling_is_checked_on_the_driver(capsys):
     assert run(["config", "validate", gpu, "--set", "model.attention_impl=cudnn"], capsys)[0] == 0
 
 
+def test_validate_reads_the_data_columns_and_the_chat_template_without_ray(capsys, tmp_path):
+    """A fine-tuner's review: `config validate` passed data without its text column and conversations for a
+    tokenizer with no chat template; `fit` said so only once Ray was up and reading (~20 s). Now the first rows of
+    local files are read on the driver, before Ray starts (fit and tune call the same check)."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ray_jax_train.text import train_tokenizer
+
+    (tmp_path / "body.jsonl.gz").write_bytes(gzip.compress(b'{"body": "a"}\n' * 3))
+    pq.write_table(pa.table({"body": ["a"], "id": [1]}), tmp_path / "body.parquet")
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    plain = tmp_path / "plain_tokenizer"
+    train_tokenizer(["hello world"] * 20, vocab_size=300, save_dir=str(plain), chat_template=None)
+
+    def validate(*overrides):
+        return run(["config", "validate", TINY] + [x for o in overrides for x in ("--set", o)], capsys)
+
+    for name in ("body.jsonl.gz", "body.parquet"):
+        code, _, err = validate(f"data.source={tmp_path / name}")
+        assert code == 2 and "data.source" in err and "its columns are ['body'" in err and "text_column" in err, err
+        assert validate(f"data.source={tmp_path / name}", "training.text_column=body")[0] == 0
+    code, _, err = validate(f"data.eval_source={tmp_path / 'body.parquet'}")
+    assert code == 2 and "data.eval_source" in err, err
+    code, _, err = validate(f"data.source={tmp_path / 'chat.jsonl'}", f"tokenizer.path={plain}")
+    assert code == 2 and "holds conversations in 'messages'" in err and "no chat template" in err, err
+    assert validate(f"data.source={tmp_path / 'chat.jsonl'}")[0] == 0  # a trained tokenizer gets a template
+
+
 def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
     # A data URI is not looked for on the driver's disk (it is listed when the data is read).
     assert run(["config", "validate", TINY, "--set", "data.source=gs://bucket/corpus"], capsys)[0] == 0

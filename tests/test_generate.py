@@ -199,6 +199,34 @@ def test_cli_generate_prints_the_completion(model_dir):
     assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2
 
 
+def test_generation_config_eos_ends_the_cli_completion(model_dir, tmp_path, capsys):
+    """An instruct model whose end-of-turn token only generation_config.json names (Llama 3's <|eot_id|>) kept
+    talking past its answer: the CLI read config.json alone. The token the model says third now ends the text."""
+    import json
+    import shutil
+
+    from ray_jax_train.models import generation_eos_ids
+
+    run, model, tokenizer = model_dir
+    full = generate_text(model, tokenizer, "Once upon a time", max_new_tokens=6)
+    prompt = [tokenizer.bos_token_id] + tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
+    tokens = np.asarray(generate(model, np.array([prompt]), max_new_tokens=6, eos_token_id=[]))[0]
+    stop = int(tokens[2])
+    assert stop not in tokens[:2] and stop not in (tokenizer.eos_token_id, model.config.eos_token_id), tokens
+    expected = tokenizer.decode(tokens[:2], skip_special_tokens=True)
+    assert expected != full
+    instruct = tmp_path / "instruct"
+    shutil.copytree(run / "final_model", instruct)
+    (instruct / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 1]}))
+    assert generation_eos_ids(instruct) == [stop, 1] and generation_eos_ids(run / "final_model") == []
+    capsys.readouterr()
+    assert main(["generate", str(instruct), "--prompt", "Once upon a time", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    (instruct / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    assert main(["generate", str(instruct), "--prompt", "Hi"]) == 2
+    assert "generation_config.json: eos_token_id '</s>' is not a token id" in capsys.readouterr().err
+
+
 def two_process_generate_loop(config):
     """Each worker builds the same weights, shards them over both processes' devices and generates."""
     from jax.experimental import multihost_utils

@@ -37,7 +37,7 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
     for a given ``seed``. A row stops after its first ``eos_token_id`` (one id or several; kept in the output) and
     holds ``pad_token_id`` (default: the config's, else the first eos id, else 0) from there on.
     ``eos_token_id`` defaults to the model config's (transformers' ``generate`` takes it from the generation
-    config, which starts from the model config's; a separate generation_config.json is not read here); ``[]``
+    config, which starts from the model config's; ``generation_eos_ids(dir)`` reads a generation_config.json's); ``[]``
     never stops early.
     """
     config = model.config
@@ -57,12 +57,14 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
 
 def generate_text(model: LlamaForCausalLM, tokenizer, prompts: Union[Prompt, Sequence[Prompt]], *,
                   max_new_tokens: Optional[int] = None, temperature: float = 0.0, top_k: Optional[int] = None,
-                  top_p: Optional[float] = None, seed: int = 0) -> Union[str, list[str]]:
+                  top_p: Optional[float] = None, seed: int = 0,
+                  eos_token_id: Union[int, Sequence[int], None] = None) -> Union[str, list[str]]:
     """Complete text prompts, or answer conversations (lists of ``{"role", "content"}`` messages).
 
     A text prompt is encoded as in training, ``[bos] + tokens``; a conversation goes through the tokenizer's chat
     template with its generation prompt (the assistant header). Completions end at the tokenizer's or the model's
-    eos and are decoded without special tokens. One prompt gives one string, a list of prompts a list.
+    eos, and at any of ``eos_token_id`` (e.g. ``generation_eos_ids(model_dir)``), and are decoded without special
+    tokens. One prompt gives one string, a list of prompts a list.
     ``max_new_tokens`` defaults to 64, or fewer where the longest prompt leaves less room in
     ``max_position_embeddings`` (a small model trained on short rows has little).
     """
@@ -85,6 +87,7 @@ def generate_text(model: LlamaForCausalLM, tokenizer, prompts: Union[Prompt, Seq
     eos = set(_token_ids(tokenizer.eos_token_id, "eos_token_id"))
     # An instruct checkpoint's config may name the end-of-turn token that a chat answer ends with.
     eos.update(_token_ids(model.config.eos_token_id, "eos_token_id"))
+    eos.update(_token_ids(eos_token_id, "eos_token_id"))
     out = np.asarray(generate(model, ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, eos_token_id=sorted(eos), pad_token_id=pad, seed=seed))
     texts = []

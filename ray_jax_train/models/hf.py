@@ -20,7 +20,7 @@ from flax import nnx
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype
 from ray_jax_train.models.llama import LlamaForCausalLM, create_model
 
-__all__ = ["from_pretrained", "hf_name", "load_hf_config", "save_pretrained"]
+__all__ = ["from_pretrained", "generation_eos_ids", "hf_name", "load_hf_config", "save_pretrained"]
 
 _ARCH_TO_TYPE = {arch: mt for mt, arch in SUPPORTED_MODEL_TYPES.items()}
 # Checkpoint entries that carry no learnt state (old Llama exports saved the rotary buffer).
@@ -77,6 +77,23 @@ def load_hf_config(path: PathLike, **overrides: Any) -> LlamaConfig:
         return LlamaConfig.from_hf(d, **overrides)
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {e}") from e
+
+
+def generation_eos_ids(path: PathLike) -> list[int]:
+    """The eos ids of ``path/generation_config.json`` ([] without one). An instruct model may end its turns with a
+    token that only this file names (Llama 3's ``<|eot_id|>``); transformers' ``generate`` stops at it too."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        with open(file) as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{file} is not a JSON object ({exc}); fix or remove it") from None
+    ids = [value] if isinstance(value, int) else list(value or [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: eos_token_id {value!r} is not a token id or a list of them")
+    return ids
 
 
 def _weight_files(path: Path) -> list[Path]:

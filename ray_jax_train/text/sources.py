@@ -89,6 +89,46 @@ def _read_paths(paths: Sequence[str], format: str | None):
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
 
 
+def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] | None:
+    """(file, its columns) from the first file of local `paths`, read without Ray: lets a config's columns be
+    checked before Ray starts. The columns of JSON lines are those of its first `rows` rows. None where that is
+    not cheap to tell (URIs, a .json array, a file that does not parse); reading the data says why later."""
+    import json
+
+    import pyarrow as pa
+
+    if not paths or any(storage.is_uri(p) for p in paths):
+        return None
+    try:
+        found = [f for p in paths for f, size in _files_under(p) if size > 0]
+    except OSError:
+        return None
+    formats = {_format_of(f) for f in found} - {None}
+    if len(formats) != 1:
+        return None
+    format = formats.pop()
+    first = next(f for f in found if _format_of(f) == format)
+    try:
+        if format == "text":
+            return first, ["text"]
+        if format == "parquet":
+            import pyarrow.parquet as pq
+
+            return first, list(pq.ParquetFile(first).schema_arrow.names)
+        with pa.input_stream(first, compression="detect") as stream:  # .jsonl.gz and the like too
+            head = stream.read(1 << 20).decode("utf-8", errors="replace")
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    lines = [line for line in head.splitlines()[:-1 if len(head) == 1 << 20 else None] if line.strip()][:rows]
+    try:
+        parsed = [json.loads(line) for line in lines]
+    except ValueError:  # a .json holding one array (or broken JSON): left to the read
+        return None
+    if not parsed or not all(isinstance(row, dict) for row in parsed):
+        return None
+    return first, sorted({name for row in parsed for name in row})
+
+
 def _file_sizes(files: list[str]) -> list[int]:
     return [os.path.getsize(f) if os.path.isfile(f) else -1 for f in files]
 
