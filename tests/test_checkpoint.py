@@ -628,6 +628,11 @@ def dropin_mistakes_loop(config):
             ckpt.save(1, state)
         else:
             ray.train.report({"step": 1})
+    elif mode == "rank0_slow":  # rank 1 reaches the save only after the exchange's timeout
+        if rank == 0:
+            ckpt.save(1, state)
+        else:
+            time.sleep(10)
     elif mode == "rank0_returns":  # only rank 0 saves, and the others have nothing more to do
         if rank == 0:
             ckpt.save(1, state)
@@ -732,9 +737,16 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
                                                ray_remote_kwargs={"num_cpus": 0}))
         return trainer.fit()
 
+    # Rank 1 waits in Ray's report for rank 0 meanwhile: rank 0 says so at once, not at the timeout (10 minutes by
+    # default). Before, both waited for it.
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"(?s)while process 1 waits in ray.train.report \(its report number 1; this "
+                                        r"process has made 0\).*neither can go on.*not only on rank 0"):
+        fit("rank0", "rank0", timeout_s=90)
+    assert time.monotonic() - started < 80  # Ray's start-up included; the timeout alone is 90 s
     with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\], which never reached it.*not only on rank 0"):
-        fit("rank0", "rank0", timeout_s=4)  # rank 1 waits in Ray's report meanwhile
-    # Rank 1 has returned from its loop: rank 0 says so at once, not at the timeout (10 minutes by default).
+        fit("rank0_slow", "rank0_slow", timeout_s=4)  # rank 1 is only late: the timeout still names it
+    # Rank 1 has returned from its loop: rank 0 says so at once.
     started = time.monotonic()
     with pytest.raises(Exception, match=r"(?s)which process 1 will never reach: its training function "
                                         r"has already returned.*not only on rank 0"):

@@ -7,6 +7,7 @@ the training step's collectives.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -99,6 +100,62 @@ def mark_loop_done(outcome: str = "returned") -> None:
         logger.debug("Could not record the end of this process's loop: %s", exc)
 
 
+# Set while a process waits in Ray's report barrier (every `ray.train.report` waits there for all workers): how many
+# report barriers it has entered. A process at an in-order exchange for one that waits in a report this process has
+# not made yet waits for nothing (the other waits for it in turn): a save or restore on some workers only.
+_BARRIER_KEY = "ray_jax_train/report_barrier/{}"
+_barriers_entered = 0
+
+
+@contextlib.contextmanager
+def in_report_barrier():
+    """Around Ray's report barrier on each worker (`ReportBarrierMarks`): counts it, and marks this process as in it."""
+    global _barriers_entered
+    _barriers_entered += 1
+    client = _client()
+    marked = client is not None and _mark(client, str(_barriers_entered))
+    try:
+        yield
+    finally:
+        if marked:
+            _mark(client, "")
+
+
+def _client():
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client if process_count() > 1 else None
+    except Exception:  # noqa: BLE001 - no jax.distributed in this process: nothing to mark
+        return None
+
+
+def _mark(client, value: str) -> bool:
+    try:
+        client.key_value_set(_BARRIER_KEY.format(process_index()), value, allow_overwrite=True)
+        return True
+    except Exception as exc:  # noqa: BLE001 - advice for others' errors only: a report must not fail on it
+        logger.debug("Could not mark this process's report barrier: %s", exc)
+        return False
+
+
+def _in_later_report(client, process: int, key: str) -> Optional[int]:
+    """The report barrier `process` waits in without having written `key`, if this process has not entered it (so
+    it waits for this one); else None. The mark is read before the key: `process` writes the key, if at all, before
+    it enters the barrier, so a key missing after the mark was read will not come while it waits there."""
+    try:
+        entered = int(client.key_value_try_get(_BARRIER_KEY.format(process)) or 0)
+    except Exception:
+        return None
+    if entered <= _barriers_entered:
+        return None
+    try:
+        client.key_value_try_get(key)
+        return None
+    except Exception:
+        return entered
+
+
 def _returned(client, process: int, key: str) -> bool:
     """Whether `process` has returned from its training function without writing `key`. Its end mark is read before
     the key: it writes the key (if ever) before its mark, so a mark seen means a key written by then is seen too."""
@@ -130,6 +187,8 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool =
     write: that is an error at once. Not in a keyed one: those also run in Ray's upload thread, which finishes
     after the training function has returned.
 
+    A process waiting in Ray's report barrier for this one is an error at once too (`_in_later_report`).
+
     A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
     rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile, or have returned."""
     started = time.monotonic()
@@ -151,6 +210,12 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool =
                 raise CollectiveTimeoutError(
                     f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process {waited_for} "
                     f"will never reach: its training function has already returned. {_RULE}.")
+            report = _in_later_report(client, waited_for, key) if in_order else None
+            if report is not None:
+                raise CollectiveTimeoutError(
+                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, while process {waited_for} "
+                    f"waits in ray.train.report (its report number {report}; this process has made "
+                    f"{_barriers_entered}) for every worker to report: neither can go on. {_RULE}.")
             now = time.monotonic()
             if now < deadline and (warned or now < warn_at):
                 continue
