@@ -644,6 +644,10 @@ def dropin_mistakes_loop(config):
         path = ckpt.save(1, state, data_state={"epoch": 0}, wait=True)
         restored = ckpt.restore(abstract_state(state), path)
         record["restored"] = np.asarray(restored.state["w"].addressable_data(0)).tolist()
+        # A target built per worker, off the mesh (a torch habit): each process restores a whole copy, which was
+        # called corrupt (the processes' checksums added up to twice the array's).
+        local = ckpt.restore(abstract_state({"w": jnp.zeros(8), "step": jnp.zeros((), jnp.int32)}), path)
+        record["restored_local"] = [np.asarray(local.state["w"]).tolist(), local.state["w"].is_fully_addressable]
         try:
             ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), path)
         except ValueError as exc:
@@ -757,6 +761,7 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     record = json.loads((tmp_path / "state.json").read_text())
     assert "data_state={0: 5} does not survive JSON unchanged (it comes back as {'0': 5})" in record["data_state"]
     assert record["restored"] == list(range(8))
+    assert record["restored_local"] == [list(range(8)), True]
     assert "['step'], ['w'] (2 leaves) are ShapeDtypeStructs with no sharding" in record["no_sharding"]
     assert "abstract_state(state)" in record["no_sharding"]
     assert not [w for w in record["warnings"] if "restore() was not called" in w]

@@ -1236,6 +1236,13 @@ class JaxCheckpointer:
         import jax
 
         got = combine_checksums(shares)
+        if jax.process_count() > 1:
+            # A target on this process's devices only (params built per worker, as with torch) restores a whole
+            # copy on each process: each copy must match the record, where the shares of a global array add up.
+            for i, leaf in enumerate(jax.tree.leaves(state)):
+                if got[i] is not None and isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+                    copies = {tuple(share[i]) for share in shares}
+                    got[i] = list(copies.pop()) if len(copies) == 1 else ["the processes' copies differ"]
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
         if len(got) != len(expected):
             return f"the state has {len(got)} arrays but the checkpoint recorded {len(expected)}"
