@@ -389,8 +389,11 @@ class _Agreement:
         self._round = 0
 
     def compare_opened(self, warn_after_s: float = 60.0) -> None:
-        """At the opening, before any read: every process must have opened the same iterator at this point."""
+        """At the opening, before any read: every process must have opened the same iterator at this point. Called
+        in the thread that reports (the loop's), which `why_never` needs."""
         import time
+
+        from ray_jax_train.checkpoint._sync import why_never
 
         key = f"{self._prefix}/open"
         self._client.key_value_set(f"{key}/{self._rank}", self._opened)
@@ -404,6 +407,13 @@ class _Agreement:
                 except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
                     if "DEADLINE_EXCEEDED" not in str(exc):
                         raise
+                    never = why_never(self._client, p, f"{key}/{p}")
+                    if never:  # an eval on rank 0 only, say: waited for sync_timeout_s (30 minutes by default)
+                        raise RuntimeError(
+                            f"iter_jax_batches ({self._opened}) is open on process {self._rank}, and process {p} "
+                            f"will never open its matching iterator: {never}. Open the same iter_jax_batches calls "
+                            "in the same order on every worker: each batch spans them all (evaluate on every "
+                            "worker, and let rank 0 alone write files, not read data).")
                     break
             waited = time.monotonic() - started
             if len(answers) < self._size and waited > self._timeout_ms / 1000:

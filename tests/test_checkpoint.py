@@ -744,8 +744,9 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     # Rank 1 waits in Ray's report for rank 0 meanwhile: rank 0 says so at once, not at the timeout (10 minutes by
     # default). Before, both waited for it.
     started = time.monotonic()
-    with pytest.raises(Exception, match=r"(?s)while process 1 waits in ray.train.report \(its report number 1; this "
-                                        r"process has made 0\).*neither can go on.*not only on rank 0"):
+    with pytest.raises(Exception, match=r"(?s)which process 1 will never reach: it waits in ray.train.report \(its "
+                                        r"report number 1; this process has made 0\).*neither can go on.*not only "
+                                        r"on rank 0"):
         fit("rank0", "rank0", timeout_s=90)
     assert time.monotonic() - started < 80  # Ray's start-up included; the timeout alone is 90 s
     with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\], which never reached it.*not only on rank 0"):

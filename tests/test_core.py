@@ -301,6 +301,15 @@ def _opened_out_of_step(config):
         seen["unsplit"] = "no error"
     except ValueError as exc:
         seen["unsplit"] = str(exc)
+    if rank == 0:  # an eval on rank 0 only, as with torch: waited for sync_timeout_s (30 minutes) while rank 1 reported
+        started = time.monotonic()
+        try:
+            rjt.iter_jax_batches("b", batch_size=4, mesh=rjt.get_mesh(), remainder="pad")
+            seen["rank0_eval"] = "no error"
+        except RuntimeError as exc:
+            seen["rank0_eval"] = str(exc)
+        seen["rank0_eval_s"] = time.monotonic() - started
+    ray.train.report({"done": 1})
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
 
@@ -325,6 +334,9 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert "opened different iterators" in seen["names"] and '["b", 4' in seen["names"], seen
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
+    seen = json.loads((out / "rank0.json").read_text())
+    assert "process 1 will never open its matching iterator: it waits in ray.train.report" in seen["rank0_eval"], seen
+    assert seen["rank0_eval_s"] < 30, seen
 
 
 # Written out here, not imported, so a wrong value in the library cannot pass as the reference.

@@ -171,6 +171,19 @@ def _returned(client, process: int, key: str) -> bool:
         return True
 
 
+def why_never(client, process: int, key: str) -> Optional[str]:
+    """Why `process` will never write `key`, where that is known now; None where it may yet. Only for a wait in the
+    loop's own thread (the one that reports): its training function has returned, or it waits in a report barrier
+    that this process has not entered, so for this one, which waits for it."""
+    if _returned(client, process, key):
+        return "its training function has already returned"
+    report = _in_later_report(client, process, key)
+    if report is not None:
+        return (f"it waits in ray.train.report (its report number {report}; this process has made "
+                f"{_barriers_entered}) for this one to report too, so neither can go on")
+    return None
+
+
 def _missing(client, keys: List[str]) -> List[int]:
     missing = []
     for key in keys:
@@ -206,16 +219,11 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool =
                 if "DEADLINE_EXCEEDED" not in str(exc):
                     raise
             waited_for = int(key.rsplit("/", 1)[-1]) if len(keys) > 1 else 0  # a broadcast waits for process 0
-            if in_order and _returned(client, waited_for, key):
+            never = why_never(client, waited_for, key) if in_order else None
+            if never:
                 raise CollectiveTimeoutError(
                     f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process {waited_for} "
-                    f"will never reach: its training function has already returned. {_RULE}.")
-            report = _in_later_report(client, waited_for, key) if in_order else None
-            if report is not None:
-                raise CollectiveTimeoutError(
-                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, while process {waited_for} "
-                    f"waits in ray.train.report (its report number {report}; this process has made "
-                    f"{_barriers_entered}) for every worker to report: neither can go on. {_RULE}.")
+                    f"will never reach: {never}. {_RULE}.")
             now = time.monotonic()
             if now < deadline and (warned or now < warn_at):
                 continue
