@@ -38,6 +38,15 @@ def resolve_dataset(dataset) -> Any:
                 f"JaxTrainer(datasets={{{dataset!r}: ...}}) or use one of the names that were passed."
             ) from None
     if hasattr(dataset, "iter_batches"):
+        import jax
+        import ray.data
+
+        if isinstance(dataset, ray.data.Dataset) and jax.process_count() > 1:
+            logger.warning(
+                "iter_jax_batches got a ray.data.Dataset, which this worker reads whole: unless each worker was "
+                "given a different part (ds.split(n)[rank]), each row is fed %d times (once per worker's share of "
+                "every global batch). Pass the dataset to the trainer (datasets={'train': ds}) and open "
+                "iter_jax_batches('train'): each worker then reads its own shard.", jax.process_count())
         return dataset
     raise TypeError(
         f"iter_jax_batches needs a dataset name, a ray.data.DataIterator or a ray.data.Dataset, "
@@ -345,6 +354,10 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
 
 
 def _pad(batch: Dict[str, np.ndarray], rows: int, mask_key: str) -> Dict[str, np.ndarray]:
+    if mask_key in batch:  # the mask would replace the data's own column, silently
+        raise ValueError(f"remainder='pad' adds a boolean column {mask_key!r} that marks real rows, but the data has "
+                         f"a column {mask_key!r} already. Pass mask_key='...' with another name, or rename the "
+                         "column.")
     have = len(next(iter(batch.values())))
     out = {}
     for key, value in batch.items():

@@ -189,9 +189,12 @@ def spec_for(path: str, shape: Sequence[int], mesh, rules: Union[PartitionRules,
     found = rules.match(path)
     if found is None:
         tail = "/".join(path.split("/")[-2:]) or path
+        default = (" These are the built-in Llama rules (rules=None): for a model of your own pass rules, e.g. "
+                   "[(r'.*', PartitionSpec())] to replicate every leaf (data parallel)."
+                   if rules.rules == llama_partition_rules().rules else "")
         raise ValueError(
             f"No partition rule matches {path!r} (shape {shape}). Add a (regex, PartitionSpec) rule for it, "
-            f"e.g. (r'{tail}$', PartitionSpec()) to replicate it; rules tried: {[p for p, _ in rules.rules]}."
+            f"e.g. (r'{tail}$', PartitionSpec()) to replicate it; rules tried: {[p for p, _ in rules.rules]}.{default}"
         )
     pattern, spec = found
     sizes = _mesh_sizes(mesh)

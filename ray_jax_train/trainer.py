@@ -46,6 +46,24 @@ def check_train_loop(fn: Callable) -> None:
         )
 
 
+def check_datasets(datasets: Optional[Dict[str, Any]]) -> None:
+    """Fail on the driver, not in every worker (as "'numpy.ndarray' object has no attribute 'name'"), when a
+    dataset is not a Ray Dataset (or a function that makes one)."""
+    import ray.data
+
+    if datasets is None:
+        return
+    if not isinstance(datasets, dict):
+        raise TypeError(f"datasets must be a dict of name -> ray.data.Dataset, got {type(datasets).__name__}; "
+                        "e.g. datasets={'train': ds}.")
+    for name, dataset in datasets.items():
+        if not isinstance(dataset, ray.data.Dataset) and not callable(dataset):
+            raise TypeError(
+                f"datasets[{name!r}] is a {type(dataset).__name__}, not a ray.data.Dataset. Make one first: "
+                "ray.data.from_numpy(array), ray.data.from_items(rows), ray.data.from_pandas(df), or "
+                "ray.data.read_parquet(path) and the like.")
+
+
 class JaxTrainer(DataParallelTrainer):
     """Runs `train_loop_per_worker` on N workers that form one `jax.distributed` job.
 
@@ -67,6 +85,7 @@ class JaxTrainer(DataParallelTrainer):
         validation_config=None,
     ):
         check_train_loop(train_loop_per_worker)
+        check_datasets(datasets)
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
         jax_config = _as_our_jax_config(jax_config)
         jax_config = resolve_jax_config(jax_config, scaling_config, run_config)

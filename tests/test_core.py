@@ -301,6 +301,18 @@ def _opened_out_of_step(config):
         seen["unsplit"] = "no error"
     except ValueError as exc:
         seen["unsplit"] = str(exc)
+    import logging
+
+    import ray.data
+
+    from ray_jax_train.data import resolve_dataset
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("ray_jax_train.data").addHandler(handler)
+    resolve_dataset(ray.data.range(4))  # every worker reads all of it: each row fed twice, silently
+    seen["whole_dataset"] = warned
     if rank == 0:  # an eval on rank 0 only, as with torch: waited for sync_timeout_s (30 minutes) while rank 1 reported
         started = time.monotonic()
         try:
@@ -334,6 +346,7 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert "opened different iterators" in seen["names"] and '["b", 4' in seen["names"], seen
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
+        assert [w for w in seen["whole_dataset"] if "each row is fed 2 times" in w], seen
     seen = json.loads((out / "rank0.json").read_text())
     assert "process 1 will never open its matching iterator: it waits in ray.train.report" in seen["rank0_eval"], seen
     assert seen["rank0_eval_s"] < 30, seen

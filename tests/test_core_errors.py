@@ -151,6 +151,27 @@ def test_train_loop_with_two_arguments_is_rejected():
     rjt.JaxTrainer(defaulted)
 
 
+def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refused():
+    """A torch user's review: a numpy array in datasets= failed in every worker as "'numpy.ndarray' object has no
+    attribute 'name'"; remainder='pad' silently replaced the data's own 'valid' column with its mask."""
+    import ray.data
+
+    from ray_jax_train.data import _pad
+
+    def loop():
+        pass
+
+    with pytest.raises(TypeError, match=r"datasets\['train'\] is a ndarray, not a ray.data.Dataset.*from_numpy"):
+        rjt.JaxTrainer(loop, datasets={"train": np.arange(4)})
+    with pytest.raises(TypeError, match="datasets must be a dict"):
+        rjt.JaxTrainer(loop, datasets=[ray.data.range(4)])
+    rjt.JaxTrainer(loop, datasets={"train": ray.data.range(4), "made": lambda: ray.data.range(4)})
+    batch = {"x": np.ones(3), "valid": np.zeros(3)}
+    with pytest.raises(ValueError, match="has a column 'valid' already. Pass mask_key="):
+        _pad(batch, 4, "valid")
+    assert _pad(batch, 4, "real")["real"].tolist() == [True, True, True, False]
+
+
 def test_subpackages_are_attributes_of_the_package():
     import subprocess
     import sys

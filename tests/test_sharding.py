@@ -268,6 +268,10 @@ def test_bad_input_errors():
     mesh = jax.sharding.AbstractMesh((4,), ("fsdp",))
     with pytest.raises(ValueError, match=r"No partition rule matches 'lm_head/kernel' \(shape \(32, 128\)\)"):
         S.partition_specs(params, mesh, S.PartitionRules(S.llama_partition_rules().rules[:-1], ("tp", "sp")))
+    # A model of one's own under the default (Llama) rules: the error says how to replicate it (a torch user's review).
+    with pytest.raises(ValueError, match=r"'l1/bias'.*built-in Llama rules \(rules=None\).*\[\(r'\.\*', "
+                                         r"PartitionSpec\(\)\)\] to replicate every leaf"):
+        S.partition_specs({"l1": {"bias": np.zeros(4)}}, mesh)
     with pytest.raises(ValueError, match=r"mesh axis 'model'.*only axes \('fsdp',\)"):
         S.partition_specs(params, mesh, [(r".*", P("model"))])
     odd = {"layers": {"0": {"mlp": {"down_proj": {"kernel": np.zeros((64, 30), np.float32)}}}}}

@@ -556,7 +556,7 @@ def _as_saved(state, what: str = "state", host_values: str = "refuse"):
             f"{'lives' if len(local) == 1 else f'({len(local)} leaves) live'} on this process's devices only, in a "
             f"job of {jax.process_count()} processes, where each process may hold a different one. Place the state "
             "on the mesh first: rjt.shard_by_rules(state, mesh, rules) (it also takes nnx Modules and Optimizers, in "
-            "place), or jax.jit(init, out_shardings=rjt.shardings_for(...)); a leaf meant to stay on the host can "
+            "place; rules=[(r'.*', PartitionSpec())] replicates every leaf, for data parallel), or jax.jit(init, out_shardings=rjt.shardings_for(...)); a leaf meant to stay on the host can "
             "be a numpy array (process 0's copy is saved).")
     return state
 
