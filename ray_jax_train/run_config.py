@@ -1213,32 +1213,46 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     return trainer, info
 
 
-def check_cluster_fits(scaling: ScalingSection, copies: int = 1) -> None:
+def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = None) -> None:
     """Fail now, not after minutes of 'pending' scheduling, when the cluster can never place the workers.
 
     Counts how many workers each alive node can hold (all resources of one worker on one node, as Ray
-    places them) against `num_workers`. An autoscaling cluster grows later: set scaling.check_resources false.
+    places them) against `num_workers`. A Tune trial (`trial_cpus`) also holds CPUs of one node for its own
+    process, beside its workers: without counting them, a trial that fitted `fit` waited for ever. An autoscaling
+    cluster grows later: set scaling.check_resources false.
     """
     import ray
 
     if not scaling.check_resources:
         return
     need = scaling.worker_resources()
-    slots = []
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        have = node.get("Resources", {})
-        fits = min((int(have.get(k, 0.0) // v) for k, v in need.items()), default=0)
-        slots.append(fits)
-    placeable = sum(min(n, 1) for n in slots) if scaling.placement_strategy == "STRICT_SPREAD" else sum(slots)
-    if scaling.placement_strategy == "STRICT_PACK":
-        placeable = max(slots, default=0)
-    if placeable < scaling.num_workers:
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+
+    def placeable(nodes) -> int:
+        slots = [min((int(have.get(k, 0.0) // v) for k, v in need.items()), default=0) for have in nodes]
+        if scaling.placement_strategy == "STRICT_SPREAD":
+            return sum(min(n, 1) for n in slots)
+        if scaling.placement_strategy == "STRICT_PACK":
+            return max(slots, default=0)
+        return sum(slots)
+
+    room = placeable(nodes)
+    if trial_cpus is not None:  # the trial's process goes to whichever node leaves the most room
+        homes = [i for i, have in enumerate(nodes) if have.get("CPU", 0.0) >= trial_cpus]
+        room = max((placeable([{**have, "CPU": have.get("CPU", 0.0) - trial_cpus} if i == home else have
+                               for i, have in enumerate(nodes)]) for home in homes), default=-1)
+        if room < 0:
+            raise ConfigError(f"tune.trial_cpus={trial_cpus:g} can never be placed: no node of this cluster has "
+                              f"{trial_cpus:g} CPUs. Lower tune.trial_cpus (the trial's process only waits on its "
+                              "workers; the default is 0.1).")
+    if room < scaling.num_workers:
         total = ray.cluster_resources()
         have = ", ".join(f"{k}={total.get(k, 0):g}" for k in need)
+        trial = (f", beside each Tune trial's own process (tune.trial_cpus={trial_cpus:g} CPU)"
+                 if trial_cpus is not None else "")
         raise ConfigError(
             f"scaling.num_workers={scaling.num_workers} can never be placed: each worker needs "
-            f"{', '.join(f'{k}={v:g}' for k, v in need.items())} ({scaling.placement_strategy}) and this cluster has "
-            f"{len(slots)} node(s) with {have} in all, room for {placeable} worker(s). Lower scaling.num_workers "
-            f"or the per-worker resources, or add nodes (autoscaling clusters: scaling.check_resources=false).")
+            f"{', '.join(f'{k}={v:g}' for k, v in need.items())} ({scaling.placement_strategy}){trial}, and this "
+            f"cluster has {len(nodes)} node(s) with {have} in all, room for {room} worker(s). Lower "
+            "scaling.num_workers or the per-worker resources, or add nodes (autoscaling clusters: "
+            "scaling.check_resources=false).")

@@ -266,7 +266,7 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     from ray.tune.integration.ray_train import TuneReportCallback
 
     tune_cfg = base.tune
-    check_cluster_fits(base.scaling)
+    check_cluster_fits(base.scaling, trial_cpus=base.tune.trial_cpus)
     random = [k for k, v in tune_cfg.param_space.items() if isinstance(v, dict) and "grid_search" not in v]
     if tune_cfg.num_samples > 1 and not random:
         logger.warning("tune.num_samples=%d repeats every grid point, but nothing in the search is random, so the "
