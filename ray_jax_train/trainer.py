@@ -123,7 +123,7 @@ class JaxTrainer(DataParallelTrainer):
         self._interrupted = False
         self._controller = None
         try:
-            with _fast_report_polling():
+            with _fast_report_polling(), _cleaner_finds_the_dashboard():
                 result = super().fit()
         except (Exception, SystemExit) as exc:
             if self._interrupted:
@@ -280,6 +280,32 @@ def _fast_report_polling(interval_s: str = "0.1"):
     the driver to its controller; a value the user set is left alone.
     """
     with env_unless_set("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", interval_s):
+        yield
+
+
+@contextlib.contextmanager
+def _cleaner_finds_the_dashboard():
+    """Name the cluster's dashboard to Train's placement-group cleaner while this trainer runs (`fit()` joined to a
+    `ray start` cluster; a private Ray gets it from `with_named_dashboard`). With another Ray instance on the head
+    machine, Ray's own address lookup refuses to pick one: the cleaner died with a traceback in every job, and a run
+    that ended badly left its placement group holding the cluster's CPUs. Ray propagates the variable to the
+    controller, whose actors (the cleaner) inherit it."""
+    from ray.train.v2._internal import constants
+
+    key = "RAY_API_SERVER_ADDRESS"
+    url = None
+    if key not in os.environ and ray.is_initialized():
+        try:
+            from ray._private.services import get_webui_url_from_internal_kv
+
+            url = get_webui_url_from_internal_kv()
+        except Exception:  # noqa: BLE001 - no dashboard, or not asked from here: Ray's default stands
+            url = None
+    if not url:
+        yield
+        return
+    constants.ENV_VARS_TO_PROPAGATE.add(key)
+    with env_unless_set(key, url if "://" in url else f"http://{url}"):
         yield
 
 

@@ -70,9 +70,10 @@ def two_node_cluster():
     (gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics,
      agent_http2, agent_grpc2, runtime_env2, metrics2, nm1, nm2, om1, om2) = _free_ports(15)
     url = f"http://127.0.0.1:{dashboard}"
+    # Not RAY_API_SERVER_ADDRESS: with another Ray instance on the machine (the session's), Train's placement-group
+    # cleaner must be told the dashboard by the trainer, as on a user's machine (an ops review: it crashed in every
+    # job, and leaked the placement group of a run that ended badly).
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0",
-               # Other Ray instances may run on this machine: name ours wherever Ray would otherwise guess.
-               RAY_API_SERVER_ADDRESS=url,
                # A loopback-only throwaway cluster: no token to hand to the job client and state API.
                RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
@@ -111,7 +112,7 @@ def two_node_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
+def test_job_submit_trains_across_two_nodes(ray_cluster, two_node_cluster, tmp_path):
     from ray.job_submission import JobStatus, JobSubmissionClient
     from ray.util.state import list_actors
 
@@ -158,6 +159,7 @@ def test_job_submit_trains_across_two_nodes(two_node_cluster, tmp_path):
     # nothing of the user (JAX's coordinator address, gloo's peer count) are left out of it.
     assert "[train] step 2/4, loss " in logs and "\r" not in logs, logs[-4000:]
     assert "JAX distributed service" not in logs and "[Gloo]" not in logs, logs[-4000:]
+    assert "multiple active Ray instances" not in logs, logs[-4000:]
 
     # One training worker on each node.
     workers = list_actors(address=url, filters=[("class_name", "=", "RayTrainWorker")], detail=True)
