@@ -120,6 +120,7 @@ def _connect(config, address: Optional[str], verbose: bool):
 
     if ray.is_initialized():
         return ray
+    given = bool(address)
     address = address or os.environ.get("RAY_ADDRESS") or config.run.address
     kwargs = dict(logging_level=logging.INFO if verbose else logging.ERROR, log_to_driver=True)
     if not address or address == "local":
@@ -129,6 +130,8 @@ def _connect(config, address: Optional[str], verbose: bool):
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
                  **with_named_dashboard(dict(runtime_env={"env_vars": env}, **kwargs)))
     else:
+        _check_address(address, "--address" if given else ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS")
+                                                            else "run.address"))
         ray.init(address=address, **kwargs)
     if not verbose:
         from ray_jax_train.quiet import filter_worker_notices, quiet_data_context
@@ -138,6 +141,31 @@ def _connect(config, address: Optional[str], verbose: bool):
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray
+
+
+def _check_address(address: str, where: str) -> None:
+    """Refuse an address nothing answers at, or a dashboard URL, before `ray.init`: Ray retried the first for
+    ever and gave a traceback for the second."""
+    import socket
+
+    from ray_jax_train.run_config import ConfigError
+
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{where} {address} is a dashboard URL, which `ray job submit --address` takes. ray-jax-train joins a "
+            "cluster by its GCS address, host:port (`ray start --head` prints it; 6379 by default), or 'auto' on one "
+            f"of its nodes. To run there from this machine: ray job submit --address {address} --working-dir . -- "
+            "ray-jax-train fit CONFIG")
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if address == "auto" or not host or not port.isdigit():
+        return  # Ray finds (or refuses) it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} {address}: nothing answers there ({exc.strerror or exc}). Check that the cluster is up "
+            f"(`ray status --address {address}`) and the host and port (the head's GCS port, 6379 by default); or "
+            "leave the address out to start a private local Ray") from None
 
 
 def _resume_hint(args, name: str) -> str:

@@ -221,6 +221,27 @@ def test_unreadable_input_exits_2(tmp_path, capsys):
     assert run(["frobnicate"], capsys)[0] == 2  # argparse usage error
 
 
+def test_an_address_nothing_answers_at_or_a_dashboard_url_is_refused_before_ray_init():
+    """An ops review: --address host:port with nothing there retried for ever; a dashboard URL gave a traceback."""
+    import socket
+
+    from ray_jax_train.cli import _check_address
+    from ray_jax_train.run_config import ConfigError
+
+    with socket.socket() as sock:  # a port that was free a moment ago, with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConfigError, match=rf"--address 127.0.0.1:{port}: nothing answers there"):
+        _check_address(f"127.0.0.1:{port}", "--address")
+    with pytest.raises(ConfigError, match=r"RAY_ADDRESS http://127.0.0.1:8265 is a dashboard URL.*ray job submit"):
+        _check_address("http://127.0.0.1:8265", "RAY_ADDRESS")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        _check_address(f"127.0.0.1:{server.getsockname()[1]}", "--address")  # something answers: Ray's turn
+    _check_address("auto", "--address")
+
+
 def test_workers_the_cluster_can_never_place_exit_2_up_front(ray_cluster, capsys):
     # The session cluster has 4 CPUs: 9 one-CPU workers can never be placed; nor can 3 on 2 GPUs.
     code, _, err = run(["fit", TINY, "--set", "scaling.num_workers=9", "--set", "training.batch_size=18"], capsys)
