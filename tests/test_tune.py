@@ -122,6 +122,8 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert "=== ray-jax-train: search done ===" in done.stdout and "trials:      4 (0 failed" in done.stdout
     # Short output: trials build their datasets in their own processes, with Ray Data's progress bars off there too.
     assert "row/s" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    # But each trial's progress shows as it trains, a line per log step (an ops review: nothing until the end).
+    assert "[train] step 1/4, loss " in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
 
     experiment = tmp_path / "tune-tiny-llama"
     last_steps, cache_hits = {}, []

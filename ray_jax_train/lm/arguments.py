@@ -69,7 +69,8 @@ class TrainingArguments(BaseModel):
     save_steps: Optional[int] = Field(None, ge=1)
     save_total_limit: Optional[int] = Field(None, ge=1)
     save_final_model: bool = True
-    # Rank 0's progress: a bar when the driver prints to a terminal, else a line per log step.
+    # Rank 0's progress: a bar when the driver prints to a terminal, else (or with progress_bar false) a line per
+    # log step.
     progress_bar: bool = True
     # A jax.profiler trace of steps profile_start_step .. +profile_num_steps-1 on every worker, in the run's
     # profile/ directory. Start after step 1, which compiles.
