@@ -14,6 +14,7 @@ Ray address: --address, else RAY_ADDRESS (set by `ray job submit`), else run.add
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -143,6 +144,33 @@ def _connect(config, address: Optional[str], verbose: bool):
     return ray
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts(resume_command: str):
+    """`ray job stop` sends SIGTERM, then SIGKILL a few seconds later: handled as Ctrl-C is (Ray aborts the run, exit
+    130), with the resume command printed at once, while there is time. Before, the log ended in a C++ signal dump."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        print(f"[ray-jax-train] stopping on SIGTERM (`ray job stop`?); resume: {resume_command}", file=sys.stderr,
+              flush=True)
+        handler = signal.getsignal(signal.SIGINT)  # Ray's or Tune's abort while they run, else KeyboardInterrupt
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _check_address(address: str, where: str) -> None:
     """Refuse an address nothing answers at, or a dashboard URL, before `ray.init`: Ray retried the first for
     ever and gave a traceback for the second."""
@@ -232,7 +260,8 @@ def cmd_fit(args) -> int:
           f"outputs in {info['run_dir']}", flush=True)
     _warn_if_in_ray_package_cache(info["run_dir"])
     try:
-        result = trainer.fit()
+        with _sigterm_interrupts(_resume_hint(args, info["name"])):
+            result = trainer.fit()
     except KeyboardInterrupt:  # exit 130 in main; the run resumes from its latest checkpoint
         print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}  {_resume_point(info['run_dir'])}",
               file=sys.stderr)
@@ -331,14 +360,15 @@ def cmd_tune(args) -> int:
     _connect(config, args.address, args.verbose)
     _warn_if_in_ray_package_cache(config.with_absolute_paths().run.storage_path)
     started = time.time()
+    command = ("ray-jax-train tune " + shlex.quote(args.config)
+               + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
     try:
-        outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose, resume=resume,
-                           resume_errored=args.resume_errored)
+        with _sigterm_interrupts(command):
+            outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose, resume=resume,
+                               resume_errored=args.resume_errored)
     except (ConfigError, FileNotFoundError):
         raise
     except tune.SearchInterrupted as exc:
-        command = ("ray-jax-train tune " + shlex.quote(args.config)
-                   + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
         print(f"[ray-jax-train] {exc}\n[ray-jax-train] resume:  {command}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:

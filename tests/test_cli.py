@@ -591,9 +591,10 @@ def test_quiet_workers_silence_ray_loggers_named_by_file_path():
         absl_logging.set_verbosity(verbosity)
 
 
-def test_ctrl_c_during_fit_exits_130_with_the_resume_command(tmp_path):
+def test_ctrl_c_or_ray_job_stop_during_fit_exits_130_with_the_resume_command(tmp_path):
     """Ray Train's SIGINT handler aborted the run and ended in sys.exit(0), which left the process with exit 1 and
-    no word; the README promises 130, "interrupted" and the command that resumes."""
+    no word; the README promises 130, "interrupted" and the command that resumes. `ray job stop` sends SIGTERM,
+    which ended the log in a C++ signal dump (an ops review): it now takes Ctrl-C's path, which it is sent here."""
     import signal
     import time
 
@@ -610,13 +611,15 @@ def test_ctrl_c_during_fit_exits_130_with_the_resume_command(tmp_path):
                 assert fit.poll() is None, log.read_text()[-5000:]
                 assert time.time() - started < 240, log.read_text()[-5000:]
                 time.sleep(0.2)
-            fit.send_signal(signal.SIGINT)
+            fit.send_signal(signal.SIGTERM)
             assert fit.wait(timeout=120) == 130, log.read_text()[-5000:]
         finally:
             if fit.poll() is None:
                 fit.kill()
     text = log.read_text()
     assert "ray-jax-train: interrupted" in text and "resume:" in text and "run.name=sigint" in text, text[-3000:]
+    assert "stopping on SIGTERM (`ray job stop`?); resume: ray-jax-train fit" in text, text[-3000:]
+    assert "*** SIGTERM received at time" not in text, text[-3000:]
     assert "(no checkpoint saved yet: it starts over)" in text or "(from the checkpoint of step" in text, text[-3000:]
     # Ray aborts the run by killing its workers: no preemption notice promising a checkpoint that never comes.
     assert "SIGTERM received" not in text, text[-3000:]
