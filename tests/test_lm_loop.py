@@ -380,6 +380,20 @@ def test_an_update_that_overflows_is_not_saved_although_its_loss_was_finite(ray_
     assert json.loads((tmp_path / "overflow" / "nonfinite.json").read_text())["step"] == 1
 
 
+def test_throughput_leaves_out_a_save(monkeypatch):
+    """An ops review: tokens/s swung by 2x between log intervals with a checkpoint save and those without."""
+    from ray_jax_train.lm import metrics
+
+    clock = iter([0.0, 10.0, 10.0])  # start; the read 10 s later; the next interval opens then
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    meter = metrics.Throughput(flops_per_token=1.0, tokens_per_step=100, num_devices=1, peak_per_device=1.0)
+    meter.start()
+    meter.step()
+    meter.step()
+    meter.exclude(6.0)  # of those 10 s, a save took 6
+    assert meter.read()["tokens_per_s"] == pytest.approx(200 / 4.0)
+
+
 def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():
     """A checkpoint taken on an epoch's last batch resumes at the next epoch's first; an epoch that yields nothing
     from its start is the only error."""

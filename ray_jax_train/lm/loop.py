@@ -283,8 +283,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         metrics_file.append(json.dumps(record))
                     ray.train.report(record)
                 if checkpointer is not None:
-                    checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
-                                            data_state={**position, "batch_size": args.batch_size})
+                    began = time.perf_counter()
+                    saved = checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
+                                                    data_state={**position, "batch_size": args.batch_size})
+                    if saved and not pending:  # synced at this log step: the save's time is its own, not the steps'
+                        throughput.exclude(time.perf_counter() - began)
                 if step >= total_steps:
                     break
     finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)

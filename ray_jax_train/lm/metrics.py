@@ -98,6 +98,12 @@ class Throughput:
     def step(self) -> None:
         self._steps += 1
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (a checkpoint save after a sync) out of the open interval: it is not training time, and
+        left in, tokens/s swung by 2x between intervals with a save and those without."""
+        if self._since is not None:
+            self._since += seconds
+
     def read(self) -> Dict[str, float]:
         """Throughput since `start` or the last `read`; call right after a host sync."""
         now = time.perf_counter()
