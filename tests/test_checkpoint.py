@@ -292,7 +292,7 @@ def test_two_workers_reject_a_checkpoint_whose_bytes_differ_from_its_checksums(u
         _fit(tmp_path, "tampered_run", {"restore_from": str(copy)})
 
 
-def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupted):
+def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupted, tmp_path):
     """Restoring into a state with other arrays, shapes or dtypes names the difference (read from the
     checkpoint's metadata, before any bytes) instead of calling a sound checkpoint corrupt."""
     import jax
@@ -339,6 +339,24 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     with pytest.raises(CheckpointMismatchError, match="shapes differ"):
         restore({"params": target(hidden=32)["params"]}, path, fallback=False, partial=True)
+
+    # No target: the state as saved, as numpy, with no model or optimizer to rebuild (a torch user's review:
+    # restore(None, path) only suggested partial=True); still verified against the recorded checksums.
+    host = restore(None, path, fallback=False)
+    assert host.step == TOTAL_STEPS and set(host.state) == set(whole)  # optax's named tuples come back as dicts
+    assert len(jax.tree.leaves(host.state)) == len(jax.tree.leaves(whole))
+    for a, b in zip(jax.tree.leaves(host.state), jax.tree.leaves(whole)):
+        assert isinstance(a, np.ndarray) and a.tobytes() == np.asarray(b).tobytes()
+    import shutil
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(path, tampered)
+    record = json.loads((tampered / "checksums.json").read_text())
+    first = next(i for i, v in enumerate(record["values"]) if v)
+    record["values"][first][0] = (record["values"][first][0] + 1) % (1 << 32)
+    (tampered / "checksums.json").write_text(json.dumps(record))
+    with pytest.raises(Exception, match="checksum mismatch in"):
+        restore(None, str(tampered), fallback=False)
 
 
 def test_sigterm_saves_a_checkpoint(ray_cluster, tmp_path):

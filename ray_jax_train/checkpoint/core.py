@@ -371,16 +371,21 @@ def _with_readable_shards(state):
     return jax.tree.map(readable, state)
 
 
-def start_checksums(state) -> Callable[[], List[Optional[List[int]]]]:
+def start_checksums(state, host_arrays: bool = False) -> Callable[[], List[Optional[List[int]]]]:
     """Dispatch this process's share of the checksums of `state` without waiting; returns a function that
     waits and gives them (`combine_checksums` adds the processes' shares into the global values).
 
     Each program sums one shard on its own device, with no collective: a cross-process collective launched
     here could run beside the step's or orbax's collectives, and on CPU (gloo) two collective programs in
     flight at once can deadlock the processes. Only a shard's first replica counts, so the shares add up
-    to the whole array whatever the sharding. The step loop only enqueues the programs.
+    to the whole array whatever the sharding. The step loop only enqueues the programs. `host_arrays`: numpy
+    leaves are checked too, as whole arrays (a one-process restore into numpy, e.g. `restore(None, path)`).
     """
     import jax
+
+    if host_arrays:
+        state = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) and x.size
+                             and x.dtype.kind in "biuf" else x, state)
 
     global _checksum_jit
     if _checksum_jit is None:
@@ -1025,11 +1030,14 @@ class JaxCheckpointer:
         newest first (`fallback`). `cleanup` removes, on a fresh incarnation, orbax temporary directories and
         checkpoint directories Ray never registered (left by a worker that died mid-save); a finished one newer
         than every registered checkpoint (its run stopped before Ray registered it) is restored from instead. `partial=True` reads
-        only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state).
+        only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state). `target=None` reads the
+        whole state as saved, as numpy arrays on the host (nested dicts; on the driver, without rebuilding the
+        model or optimizer that made it), verified against the recorded checksums in a one-process job.
         """
         global _restore_called_in_process
-        target = _as_saved(target, "restore target", host_values="keep")
-        _check_target_shardings(target)
+        if target is not None:
+            target = _as_saved(target, "restore target", host_values="keep")
+            _check_target_shardings(target)
         self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
         if restored is not None and self._last_saved_step is not None:
@@ -1143,7 +1151,8 @@ class JaxCheckpointer:
         problems = []
         for i, loc in enumerate(candidates):
             restored, problem, expected = self._try_restore(loc, target, partial, explicit)
-            share = start_checksums(restored.state)() if restored is not None and expected is not None else None
+            share = (start_checksums(restored.state, host_arrays=_sync.process_count() == 1)()
+                     if restored is not None and expected is not None else None)
             verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]),
                                        timeout_ms=self._timeout_ms)
             verdicts = [json.loads(v) for v in verdicts]
@@ -1182,6 +1191,7 @@ class JaxCheckpointer:
                      explicit: bool = True) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
         """Restore one checkpoint on this process: (result, None, checksums to verify, or None) or
         (None, what is wrong, None). Communicates with no other process, so a failure here cannot hang."""
+        import jax
         import orbax.checkpoint as ocp
 
         try:
@@ -1200,9 +1210,12 @@ class JaxCheckpointer:
             handler = _composite_handler()
             import etils.epath as epath
 
-            mismatch = _state_mismatch(
-                ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree, target, partial,
-                hint_partial=explicit)  # a resume's target is the whole state: partial=True is no fix there
+            saved_tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(loc.uri) / STATE_ITEM).tree
+            if target is None:  # the state as saved, on the host (np.empty commits no memory until written)
+                target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype) if hasattr(m, "dtype") else m,
+                                      saved_tree)
+            mismatch = _state_mismatch(saved_tree, target, partial,
+                                       hint_partial=explicit)  # a resume's target is the whole state: no fix there
             if mismatch:
                 return None, _MISMATCH + mismatch, None
             # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
