@@ -855,6 +855,10 @@ class JaxCheckpointer:
         step = int(step)
         self._check_shared_storage()
         metrics = dict(metrics() if callable(metrics) else (metrics or {}))
+        if metrics.get("step", step) != step:
+            logger.warning("save(step=%d) reports metrics['step'] as %d, the checkpoint's own step (restores order "
+                           "checkpoints by it); the metrics' own 'step' (%r) is replaced. Report yours under "
+                           "another name.", step, step, metrics["step"])
         metrics["step"] = step  # the checkpoint's own step, which restores order candidates by, not a logged one
         if self._last_saved_step == step:
             logger.info("Step %d is already checkpointed; not saving it twice.", step)
