@@ -221,7 +221,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if pending:
             _stop_if_not_finite(_fetch(pending), step, checkpointer, remember)
         _stop_if_state_not_finite(state, step, checkpointer, remember)
-        return dict(last)
+        return {**last, "step": step}  # the last log step's metrics, at the step saved
 
     def remember(bad_step: int, message: str, error: type = NonFiniteLossError) -> None:
         from ray_jax_train.checkpoint import _sync
