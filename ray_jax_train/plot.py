@@ -35,8 +35,14 @@ def read_records(run_dir: str) -> List[Dict]:
     try:
         text = read_text(path)  # a local path or the run's storage URI (gs://, s3://)
     except FileNotFoundError:
+        import glob
+        import os
+
+        runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl")))
+        inside = f"; the runs in it: {', '.join(runs[:10])}{' ...' if len(runs) > 10 else ''}" if runs else ""
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
-                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`)") from None
+                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`){inside}") \
+            from None
     return parse_records(text)
 
 

@@ -218,6 +218,10 @@ def test_unreadable_input_exits_2(tmp_path, capsys):
     assert code == 2 and "not valid YAML" in err
     code, _, err = run(["plot", str(tmp_path)], capsys)
     assert code == 2 and "metrics.jsonl" in err
+    (tmp_path / "a-run").mkdir()
+    (tmp_path / "a-run" / "metrics.jsonl").write_text("")
+    code, _, err = run(["plot", str(tmp_path)], capsys)  # the storage path, not a run: its runs are named
+    assert code == 2 and f"the runs in it: {tmp_path / 'a-run'}" in err, err
     assert run(["frobnicate"], capsys)[0] == 2  # argparse usage error
 
 
