@@ -167,8 +167,8 @@ def _sigterm_interrupts(resume_command: str):
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler installed outside Python (JAX's signal dump), which Python cannot put back
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _check_address(address: str, where: str) -> None:
@@ -178,7 +178,7 @@ def _check_address(address: str, where: str) -> None:
 
     from ray_jax_train.run_config import ConfigError
 
-    if address.startswith(("http://", "https://")):
+    if address.lower().startswith(("http://", "https://")):
         raise ConfigError(
             f"{where} {address} is a dashboard URL, which `ray job submit --address` takes. ray-jax-train joins a "
             "cluster by its GCS address, host:port (`ray start --head` prints it; 6379 by default), or 'auto' on one "

@@ -25,6 +25,9 @@ REMAINDERS = ("drop", "pad")
 _call_counter = itertools.count()
 
 
+_warned_whole_dataset = False
+
+
 def resolve_dataset(dataset) -> Any:
     """A `DataIterator` from a dataset name (this worker's shard), an iterator, or a Ray Dataset."""
     if isinstance(dataset, str):
@@ -41,7 +44,9 @@ def resolve_dataset(dataset) -> Any:
         import jax
         import ray.data
 
-        if isinstance(dataset, ray.data.Dataset) and jax.process_count() > 1:
+        global _warned_whole_dataset
+        if isinstance(dataset, ray.data.Dataset) and jax.process_count() > 1 and not _warned_whole_dataset:
+            _warned_whole_dataset = True  # once per process: a loop opens one each epoch
             logger.warning(
                 "iter_jax_batches got a ray.data.Dataset, which this worker reads whole: unless each worker was "
                 "given a different part (ds.split(n)[rank]), each row is fed %d times (once per worker's share of "
@@ -406,7 +411,9 @@ class _Agreement:
         in the thread that reports (the loop's), which `why_never` needs."""
         import time
 
-        from ray_jax_train.checkpoint._sync import why_never
+        from ray_jax_train.checkpoint._sync import note_waiting_thread, why_never
+
+        note_waiting_thread()
 
         key = f"{self._prefix}/open"
         self._client.key_value_set(f"{key}/{self._rank}", self._opened)

@@ -1228,8 +1228,12 @@ def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = No
     need = scaling.worker_resources()
     nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
 
+    def units(amount: float) -> int:  # Ray counts resources in exact 1/10000ths: 3 // 0.1 is 29 in floats
+        return int(round(amount * 10000))
+
     def placeable(nodes) -> int:
-        slots = [min((int(have.get(k, 0.0) // v) for k, v in need.items()), default=0) for have in nodes]
+        slots = [min((units(have.get(k, 0.0)) // units(v) for k, v in need.items() if units(v) > 0), default=0)
+                 for have in nodes]
         if scaling.placement_strategy == "STRICT_SPREAD":
             return sum(min(n, 1) for n in slots)
         if scaling.placement_strategy == "STRICT_PACK":
@@ -1238,8 +1242,9 @@ def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = No
 
     room = placeable(nodes)
     if trial_cpus is not None:  # the trial's process goes to whichever node leaves the most room
-        homes = [i for i, have in enumerate(nodes) if have.get("CPU", 0.0) >= trial_cpus]
-        room = max((placeable([{**have, "CPU": have.get("CPU", 0.0) - trial_cpus} if i == home else have
+        homes = [i for i, have in enumerate(nodes) if units(have.get("CPU", 0.0)) >= units(trial_cpus)]
+        room = max((placeable([{**have, "CPU": (units(have.get("CPU", 0.0)) - units(trial_cpus)) / 10000}
+                               if i == home else have
                                for i, have in enumerate(nodes)]) for home in homes), default=-1)
         if room < 0:
             raise ConfigError(f"tune.trial_cpus={trial_cpus:g} can never be placed: no node of this cluster has "

@@ -304,9 +304,14 @@ def _cleaner_finds_the_dashboard():
     if not url:
         yield
         return
+    added = key not in constants.ENV_VARS_TO_PROPAGATE
     constants.ENV_VARS_TO_PROPAGATE.add(key)
-    with env_unless_set(key, url if "://" in url else f"http://{url}"):
-        yield
+    try:
+        with env_unless_set(key, url if "://" in url else f"http://{url}"):
+            yield
+    finally:
+        if added:
+            constants.ENV_VARS_TO_PROPAGATE.discard(key)
 
 
 @contextlib.contextmanager

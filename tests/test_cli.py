@@ -79,7 +79,8 @@ def test_validate_reads_the_data_columns_and_the_chat_template_without_ray(capsy
     def validate(*overrides):
         return run(["config", "validate", TINY] + [x for o in overrides for x in ("--set", o)], capsys)
 
-    for name in ("body.jsonl.gz", "body.parquet"):
+    (tmp_path / "body.csv").write_text("body,id\na,1\n")
+    for name in ("body.jsonl.gz", "body.parquet", "body.csv"):
         code, _, err = validate(f"data.source={tmp_path / name}")
         assert code == 2 and "data.source" in err and "its columns are ['body'" in err and "text_column" in err, err
         assert validate(f"data.source={tmp_path / name}", "training.text_column=body")[0] == 0

@@ -447,14 +447,15 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     (tmp_path / "d.txt").write_text("alpha\nbeta\n")
     (tmp_path / "d.jsonl").write_text('{"text": "alpha"}\n{"text": "beta"}\n')
+    (tmp_path / "d.csv").write_text("text,id\nalpha,1\nbeta,2\n")  # the README promised CSV; it was refused
     hf = datasets.Dataset.from_list(rows)
-    sources = [tmp_path / "d.parquet", str(tmp_path / "d.txt"), tmp_path / "d.jsonl", rows, hf,
+    sources = [tmp_path / "d.parquet", str(tmp_path / "d.txt"), tmp_path / "d.jsonl", tmp_path / "d.csv", rows, hf,
                hf.to_iterable_dataset(), ray.data.from_items(rows)]
     for source in sources:  # separate small executions: a union of 7 reads is much slower here
         assert sorted(r["text"] for r in load_text_dataset(source).take_all()) == ["alpha", "beta"], source
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
     with pytest.raises(ValueError, match="mixes file formats"):
-        load_text_dataset(tmp_path)  # a directory mixing three formats
+        load_text_dataset(tmp_path)  # a directory mixing four formats
     # A URI (file:// here; gs:// and s3:// take the same path): a directory is listed through its filesystem,
     # metadata files skipped, and Ray Data reads the URIs.
     (tmp_path / "uri").mkdir()

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 import math
+import threading
 import time
 from typing import List, Optional
 
@@ -54,6 +55,8 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
 
     client = distributed.global_state.client
     in_order = key is None
+    if in_order:
+        note_waiting_thread()
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if in_order else f"ray_jax_train/ckpt/{key}"
     mine = f"{key}/{process_index()}"
     client.key_value_set(mine, value)
@@ -73,6 +76,7 @@ def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:
     from jax._src import distributed
 
     client = distributed.global_state.client
+    note_waiting_thread()
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}"
     if process_index() == 0:
         client.key_value_set(key, value)
@@ -102,9 +106,17 @@ def mark_loop_done(outcome: str = "returned") -> None:
 
 # Set while a process waits in Ray's report barrier (every `ray.train.report` waits there for all workers): how many
 # report barriers it has entered. A process at an in-order exchange for one that waits in a report this process has
-# not made yet waits for nothing (the other waits for it in turn): a save or restore on some workers only.
+# not made yet waits for nothing (the other waits for it in turn): a save or restore on some workers only. That holds
+# only where each process reports and waits in one thread (a loop's usual shape): a process that has used several
+# threads for them publishes no count, and judges no other.
 _BARRIER_KEY = "ray_jax_train/report_barrier/{}"
 _barriers_entered = 0
+_threads: set = set()  # the threads that reported or waited at an in-order exchange in this process
+
+
+def note_waiting_thread() -> None:
+    """Called by in-order waits (checkpoint exchanges, iterator openings): see `_in_later_report`."""
+    _threads.add(threading.get_ident())
 
 
 @contextlib.contextmanager
@@ -112,8 +124,9 @@ def in_report_barrier():
     """Around Ray's report barrier on each worker (`ReportBarrierMarks`): counts it, and marks this process as in it."""
     global _barriers_entered
     _barriers_entered += 1
+    _threads.add(threading.get_ident())
     client = _client()
-    marked = client is not None and _mark(client, str(_barriers_entered))
+    marked = client is not None and _mark(client, str(_barriers_entered) if len(_threads) == 1 else "")
     try:
         yield
     finally:
@@ -122,10 +135,13 @@ def in_report_barrier():
 
 
 def _client():
+    """The job's key-value client where this is one process of several; None otherwise. Asks nothing of JAX's backend
+    when there is no jax.distributed client (it would start the backend at a report made before any JAX work)."""
     try:
         from jax._src import distributed
 
-        return distributed.global_state.client if process_count() > 1 else None
+        client = distributed.global_state.client
+        return client if client is not None and process_count() > 1 else None
     except Exception:  # noqa: BLE001 - no jax.distributed in this process: nothing to mark
         return None
 
@@ -143,6 +159,8 @@ def _in_later_report(client, process: int, key: str) -> Optional[int]:
     """The report barrier `process` waits in without having written `key`, if this process has not entered it (so
     it waits for this one); else None. The mark is read before the key: `process` writes the key, if at all, before
     it enters the barrier, so a key missing after the mark was read will not come while it waits there."""
+    if _threads - {threading.get_ident()}:
+        return None  # this process reports or waits in several threads: its own count says nothing here
     try:
         entered = int(client.key_value_try_get(_BARRIER_KEY.format(process)) or 0)
     except Exception:

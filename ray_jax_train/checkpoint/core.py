@@ -401,6 +401,14 @@ def start_checksums(state, host_arrays: bool = False) -> Callable[[], List[Optio
     return result
 
 
+def _whole_copies(state) -> List[bool]:
+    """Per leaf, whether this process holds the whole array on its own devices in a job of several processes."""
+    import jax
+
+    several = jax.process_count() > 1
+    return [several and isinstance(x, jax.Array) and x.is_fully_addressable for x in jax.tree.leaves(state)]
+
+
 def _add_words(parts: Sequence[Sequence[int]]) -> List[int]:
     return [int(sum(column)) % (1 << 32) for column in zip(*parts)] if parts else [0, 0, 0]
 
@@ -1157,12 +1165,13 @@ class JaxCheckpointer:
             restored, problem, expected = self._try_restore(loc, target, partial, explicit)
             share = (start_checksums(restored.state, host_arrays=_sync.process_count() == 1)()
                      if restored is not None and expected is not None else None)
-            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share]),
+            copies = _whole_copies(restored.state) if share is not None else None
+            verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share, copies]),
                                        timeout_ms=self._timeout_ms)
             verdicts = [json.loads(v) for v in verdicts]
-            bad = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
-            mismatch = next((v for v, _ in verdicts if v and v.startswith(_MISMATCH)), None)
-            run_dir = next((v for v, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
+            bad = [f"process {p}: {v}" for p, (v, _, _) in enumerate(verdicts) if v]
+            mismatch = next((v for v, _, _ in verdicts if v and v.startswith(_MISMATCH)), None)
+            run_dir = next((v for v, _, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
             if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
                 raise ValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
             if mismatch:
@@ -1171,7 +1180,8 @@ class JaxCheckpointer:
                        "run under another name (RunConfig(name=...); on the command line, --set run.name=...).")
                 raise CheckpointMismatchError(f"{loc.uri} {mismatch}. {fix}")
             if not bad and expected is not None:
-                mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s in verdicts])
+                mismatch = self._checksum_mismatch(restored.state, expected, [s for _, s, _ in verdicts],
+                                                   [c for _, _, c in verdicts])
                 bad = [mismatch] if mismatch else []  # the same on every process: they all hold every share
             if not bad:
                 if i:
@@ -1248,18 +1258,19 @@ class JaxCheckpointer:
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}", None
 
     @staticmethod
-    def _checksum_mismatch(state, expected: list, shares: list) -> Optional[str]:
-        """What differs between the recorded checksums and those of the restored `state`, or None."""
+    def _checksum_mismatch(state, expected: list, shares: list, copies: Optional[list] = None) -> Optional[str]:
+        """What differs between the recorded checksums and those of the restored `state`, or None. `copies`: each
+        process's `_whole_copies` flags; a leaf every process holds whole is compared copy by copy."""
         import jax
 
         got = combine_checksums(shares)
-        if jax.process_count() > 1:
-            # A target on this process's devices only (params built per worker, as with torch) restores a whole
-            # copy on each process: each copy must match the record, where the shares of a global array add up.
-            for i, leaf in enumerate(jax.tree.leaves(state)):
-                if got[i] is not None and isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
-                    copies = {tuple(share[i]) for share in shares}
-                    got[i] = list(copies.pop()) if len(copies) == 1 else ["the processes' copies differ"]
+        if copies and len(shares) > 1 and all(c is not None for c in copies):
+            # A target on each process's own devices (params built per worker, as with torch) restores a whole
+            # copy on each: each copy must match the record, where the shares of a global array add up.
+            for i in range(len(got)):
+                if got[i] is not None and all(c[i] for c in copies):
+                    held = {tuple(share[i]) for share in shares}
+                    got[i] = list(held.pop()) if len(held) == 1 else ["the processes' copies differ"]
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
         if len(got) != len(expected):
             return f"the state has {len(got)} arrays but the checkpoint recorded {len(expected)}"

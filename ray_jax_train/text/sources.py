@@ -8,7 +8,7 @@ from .. import storage
 from .errors import EmptyDatasetError, MissingColumnError, TextDataError
 
 # File suffix -> reader; compressed variants (.jsonl.gz, ...) map like their inner suffix.
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
 
 def _format_of(path: str) -> str | None:
@@ -70,7 +70,7 @@ def _read_paths(paths: Sequence[str], format: str | None):
         if not formats:
             raise TextDataError(f"cannot tell the file format of {list(paths)}: no file ends in "
                                 f"{', '.join(_FORMATS)} (optionally compressed, e.g. .jsonl.gz). Rename the files, "
-                                "or in Python pass format='json', 'parquet' or 'text'")
+                                "or in Python pass format='json', 'parquet', 'csv' or 'text'")
         format = formats.pop()
         found = [(f, size) for f, size in found if _format_of(f) == format]
         files = [f for f, _ in found]
@@ -86,7 +86,9 @@ def _read_paths(paths: Sequence[str], format: str | None):
         return ray.data.read_parquet(files)
     if format == "text":
         return ray.data.read_text(files)  # one row per line, in column "text"
-    raise ValueError(f"unknown format {format!r}; use 'json', 'parquet' or 'text'")
+    if format == "csv":
+        return ray.data.read_csv(files)  # a header row names the columns
+    raise ValueError(f"unknown format {format!r}; use 'json', 'parquet', 'csv' or 'text'")
 
 
 def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] | None:
@@ -115,6 +117,11 @@ def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] 
             import pyarrow.parquet as pq
 
             return first, list(pq.ParquetFile(first).schema_arrow.names)
+        if format == "csv":
+            import pyarrow.csv as pcsv
+
+            with pcsv.open_csv(first) as reader:  # reads the header and a first block only
+                return first, list(reader.schema.names)
         with pa.input_stream(first, compression="detect") as stream:  # .jsonl.gz and the like too
             head = stream.read(1 << 20).decode("utf-8", errors="replace")
     except (OSError, ValueError, pa.ArrowException):
@@ -198,7 +205,7 @@ def load_text_dataset(source: Any, *, format: str | None = None):
     Accepts a ``ray.data.Dataset`` (returned as is), a Hugging Face ``datasets.Dataset`` (its
     Arrow table) or ``IterableDataset`` (streamed), a list of row dicts, or local
     file/directory path(s) of ``.jsonl`` (JSON lines), ``.json`` (lines or one array),
-    ``.parquet`` or ``.txt`` (one row per line, column ``text``). ``format`` overrides the suffix-based guess.
+    ``.parquet``, ``.csv`` (a header row names the columns) or ``.txt`` (one row per line, column ``text``). ``format`` overrides the suffix-based guess.
     Paths may be URIs (``gs://``, ``s3://``, ``file://``). Local paths are checked here, on the driver; on a
     cluster of several nodes they are also read here.
     """
