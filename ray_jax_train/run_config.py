@@ -176,8 +176,9 @@ class RunSection(_Section):
 
 
 class SchedulerSection(_Section):
-    """Early stopping for Tune trials; `grace_period` and `max_t` are optimizer steps. `max_t` is one past the longest
-    trial's total_steps (one below it is refused); set it only when trials run by epochs, without total_steps."""
+    """Early stopping for Tune trials; `grace_period` and `max_t` are optimizer steps. ASHA's `max_t` is set to one
+    past the longest trial's total_steps (a given one below it is refused; one at or above it is replaced); set it
+    only when trials run by epochs, without total_steps."""
 
     type: Literal["asha", "fifo", "median"] = "asha"
     grace_period: int = Field(1, ge=1)
@@ -317,7 +318,7 @@ class ExperimentConfig(_Section):
     def _check_max_t(self, args: TrainingArguments) -> None:
         """ASHA stops every trial at `max_t` steps, however long its `total_steps`: such a trial ends mid-schedule,
         without its final checkpoint (at max_t == its total_steps, at the log report just before it), and Tune
-        counts it as finished, so it could win the search. (max_t at or above the longest trial is raised to one
+        counts it as finished, so it could win the search. (max_t at or above the longest trial is replaced by one
         past it.)"""
         s = self.tune.scheduler
         longest, by_epochs = trial_lengths(args.total_steps, self.tune.param_space)  # by epochs: unknown here
