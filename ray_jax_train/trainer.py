@@ -294,7 +294,7 @@ def _cleaner_finds_the_dashboard():
 
     key = "RAY_API_SERVER_ADDRESS"
     url = None
-    if key not in os.environ and ray.is_initialized():
+    if not os.environ.get(key) and ray.is_initialized():  # an empty one names nothing either
         try:
             from ray._private.services import get_webui_url_from_internal_kv
 
@@ -304,12 +304,16 @@ def _cleaner_finds_the_dashboard():
     if not url:
         yield
         return
-    added = key not in constants.ENV_VARS_TO_PROPAGATE
+    added, before = key not in constants.ENV_VARS_TO_PROPAGATE, os.environ.get(key)
     constants.ENV_VARS_TO_PROPAGATE.add(key)
+    os.environ[key] = url if "://" in url else f"http://{url}"
     try:
-        with env_unless_set(key, url if "://" in url else f"http://{url}"):
-            yield
+        yield
     finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
         if added:
             constants.ENV_VARS_TO_PROPAGATE.discard(key)
 

@@ -53,7 +53,7 @@ def _wait(predicate, timeout, what, procs=()):
 
 
 def _stop(proc, timeout=60):
-    """SIGTERM to our `ray start --block`: it stops the processes of its node, then exits."""
+    """SIGTERM to our `ray start --block`: it stops the processes of its node, then exits (else they are killed)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -70,10 +70,10 @@ def two_node_cluster():
     (gcs, dashboard, client, agent_http, agent_grpc, runtime_env, metrics,
      agent_http2, agent_grpc2, runtime_env2, metrics2, nm1, nm2, om1, om2) = _free_ports(15)
     url = f"http://127.0.0.1:{dashboard}"
-    # Not RAY_API_SERVER_ADDRESS: with another Ray instance on the machine (the session's), Train's placement-group
-    # cleaner must be told the dashboard by the trainer, as on a user's machine (an ops review: it crashed in every
-    # job, and leaked the placement group of a run that ended badly).
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0",
+               # Other Ray instances may run on this machine: name ours wherever Ray would otherwise guess (without
+               # it, the head takes 30 s to stop). The jobs are given none, below, as on a user's cluster.
+               RAY_API_SERVER_ADDRESS=url,
                # A loopback-only throwaway cluster: no token to hand to the job client and state API.
                RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
@@ -106,7 +106,8 @@ def two_node_cluster():
         yield {"url": url, "env": env, "temp": temp}
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            # The head's `ray start` waits ~30 s for something at its stop; a throwaway cluster need not.
+            _stop(proc, timeout=10)
         for log in logs:
             log.close()
         shutil.rmtree(temp, ignore_errors=True)
@@ -130,9 +131,13 @@ def test_job_submit_trains_across_two_nodes(ray_cluster, two_node_cluster, tmp_p
         "--set", "training.save_steps=2", "--set", "training.eval_steps=4", "--set", "data.max_docs=30",
         "--set", "run.tensorboard=true",
     ]
+    # The job sees no dashboard address (the cluster's processes have one): with another Ray instance on the machine
+    # (the session's), Train's placement-group cleaner must be told it by the trainer, as on a user's machine (an ops
+    # review: it crashed in every job, and leaked the placement group of a run that ended badly).
+    no_address = json.dumps({"env_vars": {"RAY_API_SERVER_ADDRESS": ""}})
     submitted = subprocess.run(
         [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
-         "--submission-id", "rjt-two-nodes", "--no-wait", "--", *entrypoint],
+         "--runtime-env-json", no_address, "--submission-id", "rjt-two-nodes", "--no-wait", "--", *entrypoint],
         env=env, capture_output=True, text=True, timeout=180)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
 
