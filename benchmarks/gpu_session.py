@@ -321,7 +321,13 @@ def main(argv=None) -> int:
             run_dir = fit("loop", config, 170)
             # Flat in OUT: the device tool brings back no file nested deeper than a few folders.
             for found in glob.glob(os.path.join(run_dir, "profile", "**", "*.xplane.pb"), recursive=True):
-                shutil.copy(found, os.path.join(args.out, "loop_profile.xplane.pb"))
+                if os.path.getsize(found) < 16 << 20:  # the largest file the device tool brings back
+                    shutil.copy(found, os.path.join(args.out, "loop_profile.xplane.pb"))
+                # Read there too: the trace may be too large to come back.
+                summary = run_stage("trace summary", [py, os.path.join(HERE, "trace_summary.py"), "--gpu",
+                                                      os.path.dirname(found)], env, min(60, remaining()), log)
+                with open(os.path.join(args.out, "loop_profile_summary.txt"), "w") as f:
+                    f.writelines(summary.get("output") or [])
             args.loops_only = True
         elif not fused_ok and not args.smoke:
             print("the fused attention check failed or did not run: every stage uses attention_impl=xla", flush=True)
@@ -342,7 +348,9 @@ def main(argv=None) -> int:
             if args.smoke:
                 shape += ["--batch", str(lm_config(args, storage)["training"]["batch_size"])]
             else:
-                shape += ["--sizes", "125m", "--batch", "16", "--seq", "1024", "--steps", "20"]
+                # As many steps as the loop's windows span: an H200's clock sags under sustained load (session 29:
+                # the loop's own step 536k tokens/s over 20 steps, 525k over 200, 523k over 20 right after).
+                shape += ["--sizes", "125m", "--batch", "16", "--seq", "1024", "--steps", str(args.lm_steps)]
             bare("builtin_same_shape", "the loop's own step, bare", shape + ["--step", "builtin"], 70)
             bare("bare_same_shape", "bare at the loop's shape", shape + both, 90)
             builtin = report.get("builtin_same_shape") or {}

@@ -200,6 +200,7 @@ def measure(size: str, *, batch: int, seq: int, steps: int, warmup: int, param_d
         "attention": attention_used,
         "compile_s": round(compile_s, 2),
         "step_s_median": step_s,
+        "step_s_mean": statistics.mean(times),  # beside the median: a GPU's clock may sag over a longer run
         "step_s_min": min(times),
         "step_s_max": max(times),
         "tokens_per_s": tokens_per_s,

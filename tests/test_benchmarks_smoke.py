@@ -93,3 +93,40 @@ def test_gpu_session_reads_loop_windows_and_unpacks_executables(tmp_path):
     assert "[hang] first" in log.getvalue() and "partial" in log.getvalue()
     assert session.stage_status(result).endswith("timed out")
     assert session.stage_status(session.run_stage("late", ["true"], {}, 0.5, log)).startswith("skipped")
+
+
+def test_gpu_trace_summary_finds_the_idle_gap_and_what_the_host_did(monkeypatch, capsys):
+    """`trace_summary.py --gpu` on a GPU trace's shape. CPU CI cannot make a GPU trace, so the planes are built by
+    hand with the names, lines and stats a real H200 trace had (session 29): two train steps on the compute
+    stream, a 1 ms gap between them while the host's Python sat in a metrics fetch."""
+    import types
+
+    import jax
+
+    spec = importlib.util.spec_from_file_location("trace_summary", os.path.join(ROOT, "benchmarks", "trace_summary.py"))
+    trace_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_summary)
+
+    def event(name, start_ms, ms, module=None):
+        start, duration = int(start_ms * 1e6), int(ms * 1e6)
+        return types.SimpleNamespace(name=name, start_ns=start, duration_ns=duration, end_ns=start + duration,
+                                     stats=[("hlo_module", module)] if module else [])
+
+    def line(name, events):
+        return types.SimpleNamespace(name=name, events=events)
+
+    gpu = types.SimpleNamespace(name="/device:GPU:0", lines=[
+        line("Stream #14(Memset,Compute)", [event("gemm", 0, 29, "jit_train_step"), event("fusion", 29, 1, "jit_train_step"),
+                                            event("gemm", 31, 30, "jit_train_step"), event("stack", 61, 0.1, "jit_stack")]),
+        line("Stream #15(MemcpyH2D)", [event("MemcpyH2D", 30.5, 0.2)])])
+    host = types.SimpleNamespace(name="/host:CPU", lines=[line("ray::RayTrainWo", [
+        event("$loop.py:240 train_loop_per_worker", 0, 70), event("$loop.py:442 _fetch", 29.9, 1.0),
+        event("$builtins isinstance", 30.1, 0.01)])])
+    monkeypatch.setattr(jax.profiler.ProfileData, "from_file", staticmethod(lambda path: types.SimpleNamespace(
+        planes=[host, gpu])))
+    found = trace_summary.gpu_timeline("trace.xplane.pb", min_gap_ms=0.05)["/device:GPU:0"]
+    assert abs(found["window_ms"] - 61.1) < 1e-6 and abs(found["busy_ms"] - 60.3) < 1e-6
+    assert abs(found["gap_ms"] - 0.8) < 1e-6  # 30-30.5 and 30.7-31: the copy in between counts as busy
+    assert abs(found["modules"]["jit_train_step"] - 60.0) < 1e-6 and "jit_stack" in found["modules"]
+    gaps = [row for row in capsys.readouterr().out.splitlines() if " before " in row]
+    assert len(gaps) == 2 and all("_fetch" in row and "isinstance" not in row for row in gaps), gaps

@@ -98,11 +98,13 @@ class Throughput:
     def step(self) -> None:
         self._steps += 1
 
-    def exclude(self, seconds: float) -> None:
-        """Leave `seconds` (a checkpoint save after a sync) out of the open interval: it is not training time, and
-        left in, tokens/s swung by 2x between intervals with a save and those without."""
-        if self._since is not None:
-            self._since += seconds
+    def restart_if_just_read(self) -> None:
+        """Call after a checkpoint save: if no step has run since the last `read` (a save at a log step, right
+        after its sync), the interval opens again now, so the save is not counted as training time. Left in,
+        tokens/s swung by 2x between intervals with a save and those without. A save between log steps stays in:
+        the steps dispatched before it ran on the device meanwhile."""
+        if self._since is not None and self._steps == 0:
+            self._since = time.perf_counter()
 
     def read(self) -> Dict[str, float]:
         """Throughput since `start` or the last `read`; call right after a host sync."""

@@ -23,23 +23,24 @@ Batch = Dict[str, jax.Array]
 MODEL_INPUTS = ("attention_mask", "segment_ids", "positions")
 
 
-def schedule_value(step, *, scheduler: str, peak: Any, end: Any, warmup: Any, total: Any) -> jax.Array:
+def schedule_value(step, *, scheduler: str, peak: Any, end: Any, warmup: Any, total: Any, xp=jnp) -> jax.Array:
     """The learning rate at `step`: linear warmup from 0, then cosine/linear decay to `end`, or constant.
 
-    Plain `jnp` arithmetic, so every number may be traced: the optimizer evaluates it from hyperparameters held in
-    its state (see `make_optimizer`), and the host calls it with the same numbers for the logged rate.
+    Plain array arithmetic, so every number may be traced: the optimizer evaluates it from hyperparameters held in
+    its state (see `make_optimizer`), and the host calls it with the same numbers, in numpy (`xp=np`), for the
+    logged rate.
     """
-    step = jnp.asarray(step, jnp.float32)
-    warmup = jnp.asarray(warmup, jnp.float32)
-    warming = peak * step / jnp.maximum(warmup, 1.0)
-    done = jnp.clip((step - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+    step = xp.asarray(step, xp.float32)
+    warmup = xp.asarray(warmup, xp.float32)
+    warming = peak * step / xp.maximum(warmup, 1.0)
+    done = xp.clip((step - warmup) / xp.maximum(total - warmup, 1.0), 0.0, 1.0)
     if scheduler == "cosine":
-        decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+        decayed = end + (peak - end) * 0.5 * (1.0 + xp.cos(xp.pi * done))
     elif scheduler == "linear":
         decayed = peak + (end - peak) * done
     else:
-        decayed = jnp.broadcast_to(jnp.asarray(peak, jnp.float32), step.shape)
-    return jnp.where(step < warmup, warming, decayed)
+        decayed = xp.broadcast_to(xp.asarray(peak, xp.float32), step.shape)
+    return xp.where(step < warmup, warming, decayed)
 
 
 def _hyperparameters(args: TrainingArguments, total_steps: int) -> Dict[str, Any]:
@@ -50,10 +51,15 @@ def _hyperparameters(args: TrainingArguments, total_steps: int) -> Dict[str, Any
 
 
 def make_schedule(args: TrainingArguments, total_steps: int) -> optax.Schedule:
-    """The host-side learning-rate schedule (for logging): the same numbers the optimizer's state holds."""
+    """The host-side learning-rate schedule (for logging): the same numbers the optimizer's state holds.
+
+    In numpy: a GPU trace showed the jnp version running a dozen tiny programs on the device at every log step,
+    each a dispatch the host waited on, and the step after them queued behind. A jax.Array (a traced count, as
+    when it is handed to optax) still gets jnp."""
     hp = _hyperparameters(args, total_steps)
     return lambda step: schedule_value(step, scheduler=args.scheduler, peak=hp["peak_learning_rate"],
-                                       end=hp["end_learning_rate"], warmup=hp["warmup_steps"], total=hp["total_steps"])
+                                       end=hp["end_learning_rate"], warmup=hp["warmup_steps"], total=hp["total_steps"],
+                                       xp=jnp if isinstance(step, jax.Array) else np)
 
 
 def _decay_mask(params):
