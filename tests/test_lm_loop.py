@@ -289,15 +289,18 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert max(float(np.max(np.abs(ref[k] - final[k]))) for k in final) < 1e-5
     assert max(float(np.max(np.abs(ref[k] - initial[k]))) for k in final) > 1e-3  # it did train
 
-    # Rank 0 logged steps 1-4 before the kill (a log step's record is written once the next step is dispatched,
-    # and the kill came before step 6), then the resumed run logged from its checkpoint on; read_metrics keeps the
-    # last record of each step, the one that counts.
+    # Rank 0 logged steps 1-4 before the kill, and step 5 too where its metrics could still be read as the error
+    # from the killed peer went by (its record waits for step 6's dispatch; the peer may die mid step 5); then the
+    # resumed run logged from its checkpoint on. read_metrics keeps the last record of each step, the one that counts.
     records = [json.loads(line) for line in open(os.path.join(result.path, "metrics.jsonl")) if line.strip()]
-    assert [r["step"] for r in records] == list(range(1, 5)) + list(range(resumed_at + 1, steps + 1))
+    before_kill = 5 if records[4]["step"] == 5 else 4
+    assert [r["step"] for r in records] == list(range(1, before_kill + 1)) + list(range(resumed_at + 1, steps + 1))
     latest = {r["step"]: r for r in records}
     assert read_metrics(result.path) == [latest[i] for i in range(1, steps + 1)]
     np.testing.assert_allclose([latest[i]["loss"] for i in range(1, steps + 1)], losses, rtol=1e-5)
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in records[1:4]), records
+    if before_kill == 5:
+        assert records[4]["loss"] > 0 and "tokens_per_s" not in records[4]  # written on the way out, not finished
     assert latest[steps]["learning_rate"] < latest[2]["learning_rate"]  # cosine decay after warmup
     assert result.metrics["step"] == steps
     # The exported final model is the trained one.
@@ -399,6 +402,45 @@ def test_throughput_leaves_out_a_save(monkeypatch):
     meter.step()
     meter.restart_if_just_read()  # a save between log steps stays in: a step ran since the read
     assert meter.read()["tokens_per_s"] == pytest.approx(100 / 10.0)  # at 30
+
+
+def test_a_measured_peak_is_taken_once_where_asked_and_the_interval_reopens(monkeypatch):
+    """A review: with log steps finished after the next step's dispatch, the first read would time the CPU's peak
+    matmul beside a running step (peak low, every MFU high); the loop measures it at the first step's sync."""
+    from ray_jax_train.lm import metrics
+
+    clock = iter([0.0, 5.0, 9.0, 9.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    calls = []
+    meter = metrics.Throughput(flops_per_token=1.0, tokens_per_step=100, num_devices=2,
+                               peak_per_device=lambda: calls.append(1) or 50.0)
+    meter.start()  # 0
+    meter.measure_peak()  # took until 5: the interval reopens there
+    meter.step()
+    read = meter.read()  # at 9
+    assert read["tokens_per_s"] == pytest.approx(100 / 4.0) and read["mfu"] == pytest.approx(25.0 / 100.0)
+    meter.measure_peak()
+    assert calls == [1] and meter.peak == 100.0
+
+
+def test_a_log_step_cut_off_by_a_failure_is_still_written():
+    """A log step's record is finished after the next step's dispatch; a failure in between (the data iterator,
+    the dispatch) still leaves it in metrics.jsonl, without reporting it."""
+    from ray_jax_train.lm.loop import _to_host_soon, _write_unfinished
+    from ray_jax_train.lm.step import make_schedule
+
+    pending = [{"loss": jnp.float32(2.0), "grad_norm": jnp.float32(1.0), "tokens": jnp.float32(10.0)},
+               {"loss": jnp.float32(4.0), "grad_norm": jnp.float32(3.0), "tokens": jnp.float32(30.0)}]
+    entry = {"record": {"step": 8, "epoch": 0}, "due_eval": False, "stacked": _to_host_soon(pending)}
+    schedule = make_schedule(rjt.lm.TrainingArguments(learning_rate=1e-3, warmup_steps=0, scheduler="constant"), 10)
+    lines = []
+    out = type("MetricsFile", (), {"append": lambda self, line: lines.append(line)})()
+    _write_unfinished(entry, out, schedule)
+    _write_unfinished({"record": {"step": 9}, "stacked": {"loss": "not an array"}}, out, schedule)  # logged, not raised
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 1 and records[0]["step"] == 8
+    assert records[0]["loss"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40) and records[0]["grad_norm"] == 3.0
+    assert records[0]["learning_rate"] == pytest.approx(1e-3)
 
 
 def test_epoch_batches_resume_at_an_epoch_end_and_reject_empty_data():

@@ -297,6 +297,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     throughput.start()
                     compiled = True
                     startup = _log_first_step(step, time.perf_counter() - started, recorder, state)
+                    throughput.measure_peak()  # still synced: a log step's read comes with a step in flight
                 progress.update(1)
                 due_log = step % args.log_steps == 0 or step == total_steps
                 due_eval = bool(config.get("has_eval") and (
@@ -311,6 +312,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         throughput.restart_if_just_read()
                 if step >= total_steps:
                     break
+    except BaseException:
+        if log_ahead is not None and metrics_file is not None:
+            _write_unfinished(log_ahead, metrics_file, schedule)
+        raise
     finally:  # a run that fails keeps the metrics it logged (object stores get them at most every 30 s)
         profiler.stop()
         if metrics_file is not None:
@@ -458,6 +463,24 @@ class NonFiniteLossError(FloatingPointError):
 
 class NoLossTokensError(ValueError):
     """No token of the data counts for the loss (chats without assistant turns, all-zero loss masks)."""
+
+
+def _write_unfinished(entry: Dict[str, Any], metrics_file, schedule) -> None:
+    """The log step a failure cut off before its record was finished, written if the device has its metrics
+    ready (no report: Ray is tearing the group down; no checks: the error is already on its way). Not waited
+    for: a step stuck in a collective with a dead peer would hang the way out."""
+    import jax
+
+    record = dict(entry["record"])
+    try:
+        if entry["stacked"] is not None:
+            if not all(x.is_ready() for x in entry["stacked"].values()):
+                return
+            record.update(_summarise(jax.device_get(entry["stacked"])),
+                          learning_rate=float(schedule(record["step"] - 1)))
+        metrics_file.append(json.dumps(record))
+    except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to raise
+        logger.debug("Could not write step %s's record after the failure: %r", record.get("step"), exc)
 
 
 def _to_host_soon(pending: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -82,8 +82,8 @@ class Throughput:
 
     def __init__(self, flops_per_token: float, tokens_per_step: int, num_devices: int,
                  peak_per_device: Union[float, Callable[[], float]]):
-        """`peak_per_device` may be a function, called at the first `read`: measuring a CPU's peak then keeps
-        it off the start-up path, and the device is idle there (just synced)."""
+        """`peak_per_device` may be a function (a CPU's peak is measured with a matmul): `measure_peak` calls it
+        where the device is idle, else the first `read` does."""
         self.flops_per_token = flops_per_token
         self.tokens_per_step = tokens_per_step
         self.num_devices = num_devices
@@ -97,6 +97,14 @@ class Throughput:
 
     def step(self) -> None:
         self._steps += 1
+
+    def measure_peak(self) -> None:
+        """Measure a measured peak now: call with the device idle and nothing dispatched (after the first step's
+        sync), since a matmul timed beside a running step reads low and every MFU of the run high. The open
+        interval restarts after it."""
+        if callable(self._peak_per_device):
+            self._peak_per_device = self._peak_per_device()
+            self.restart_if_just_read()
 
     def restart_if_just_read(self) -> None:
         """Call after a checkpoint save: if no step has run since the last `read` (a save at a log step, right
