@@ -48,7 +48,7 @@ import suite_variants as V  # noqa: E402
 FULL = {"vocab": 4096, "d": 256, "ffn": 688, "layers": 4, "heads": 4, "seq": 128, "batch": 16}
 SMOKE = {"vocab": 256, "d": 32, "ffn": 64, "layers": 1, "heads": 2, "seq": 16, "batch": 4}
 VARIANTS = ("bare", "in_worker", "ours", "ours_warm", "ours_restart", "ours_restart_nocache", "ours_restart2",
-            "ours_restart2_nocache", "ours_devices", "ours_nokeep", "torch", "torch_keep", "ray_jax", "ours_step",
+            "ours_restart2_nocache", "ours_devices", "ours_nokeep", "ours_synclog", "torch", "torch_keep", "ray_jax", "ours_step",
             "scale1", "scale2", "bare1", "bare2", "in_worker1", "in_worker2", "fsdp2", "data")
 # (f)'s "no slower than TorchTrainer" is held to the warm cache: every restart has it (it is on by default), and
 # a cold start compiles what torch's eager mode never does.
@@ -178,7 +178,7 @@ def run_in_worker_dp(workers: int) -> Callable:
 
 def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bool = False,
           cache_dir: str = None, cpu_devices: int = 1, mesh: Dict[str, int] = None,
-          keep_memory: bool = True) -> Dict[str, float]:
+          keep_memory: bool = True, sync_log: bool = False) -> Dict[str, float]:
     from ray.train import ScalingConfig
 
     import ray_jax_train as rjt
@@ -190,7 +190,8 @@ def _ours(ctx: Context, name: str, *, steps: int, workers: int = 1, affinity: bo
     if profiled:
         arguments.update(profile_start_step=ctx.profile[0], profile_num_steps=ctx.profile[1])
     config = {"arguments": arguments,
-              "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir}
+              "model_config": V.model_dict(ctx.size), "total_steps": steps, "timing_dir": timing_dir,
+              "sync_log": sync_log}
     run_config = _run_config(ctx, name)
     trainer = rjt.JaxTrainer(
         V.ours_loop, train_loop_config=config,
@@ -223,6 +224,12 @@ def run_ours_nokeep(ctx: Context, rnd: int) -> Dict[str, float]:
     """`ours` with glibc's allocator defaults (`JaxConfig(keep_cpu_memory=False)`): what the default gains in the
     trainer, not only in a bare process."""
     return _ours(ctx, "ours_nokeep", steps=ctx.steps, keep_memory=False)
+
+
+def run_ours_synclog(ctx: Context, rnd: int) -> Dict[str, float]:
+    """`ours` with each log step's record finished before the next step is dispatched (the loop before session
+    29): ours / ours_synclog is what finishing it after the dispatch gains on this machine."""
+    return _ours(ctx, "ours_synclog", steps=ctx.steps, sync_log=True)
 
 
 def run_ours_warm(ctx: Context, rnd: int) -> Dict[str, float]:
@@ -352,7 +359,8 @@ RUNNERS = {"bare": run_bare, "in_worker": run_in_worker, "bare1": run_bare_pinne
            "ours": run_ours, "ours_warm": run_ours_warm,
            "ours_restart": run_restart(True), "ours_restart_nocache": run_restart(False),
            "ours_restart2": run_restart(True, 2), "ours_restart2_nocache": run_restart(False, 2),
-           "ours_devices": run_ours_devices, "ours_nokeep": run_ours_nokeep, "torch": run_torch,
+           "ours_devices": run_ours_devices, "ours_nokeep": run_ours_nokeep, "ours_synclog": run_ours_synclog,
+           "torch": run_torch,
            "torch_keep": lambda ctx, rnd: run_torch(ctx, rnd, "torch_keep"),
            "ray_jax": run_ray_jax, "ours_step": run_ours_step, "scale1": run_scale(1), "scale2": run_scale(2), "fsdp2": run_fsdp2,
            "data": run_data}
@@ -382,6 +390,8 @@ def summarise(rounds: List[Dict]) -> Dict[str, Dict]:
         "vs_torch_keep": _ratio(rounds, "ours", "torch_keep"),
         # keep_cpu_memory inside the trainer: the default / glibc's defaults.
         "keep_gain": _ratio(rounds, "ours", "ours_nokeep"),
+        # A log step finished after the next step's dispatch / before it.
+        "log_after_dispatch_gain": _ratio(rounds, "ours", "ours_synclog"),
         "devices_gain": _ratio(rounds, "ours_devices", "ours"),
         "vs_ray_jax": _ratio(rounds, "ours", "ray_jax"),
         "vs_ray_jax_same_step": _ratio(rounds, "ours_step", "ray_jax"),
@@ -431,6 +441,7 @@ LABELS = {
     "vs_torch_devices": "(b) ours, a CPU device per core / TorchTrainer",
     "vs_torch_keep": "(b) ours / TorchTrainer with our workers' allocator settings",
     "keep_gain": "(b) ours / ours with keep_cpu_memory=False",
+    "log_after_dispatch_gain": "(a) ours / ours finishing each log step before the next dispatch",
     "devices_gain": "(b) ours, a CPU device per core / ours, one device",
     "vs_ray_jax": "(c) ours / Ray's JaxTrainer",
     "vs_ray_jax_same_step": "(c) same hand-written step: our JaxTrainer / Ray's",

@@ -194,10 +194,12 @@ def ours_loop(config: Dict[str, Any]) -> None:
         return start(self)
 
     ray.train.report, Throughput.start = timed_report, timed_start
+    lm_loop._LOG_AFTER_NEXT_DISPATCH = not config.get("sync_log")  # ours_synclog: the loop before session 29
     try:
-        lm_loop.train_loop_per_worker({k: v for k, v in config.items() if k != "timing_dir"})
+        lm_loop.train_loop_per_worker({k: v for k, v in config.items() if k not in ("timing_dir", "sync_log")})
     finally:
         ray.train.report, Throughput.start = report, start
+        lm_loop._LOG_AFTER_NEXT_DISPATCH = True
     if jax.process_index() == 0:
         _write(config["timing_dir"], "timing.json", {"log_times": log_times, "first_step_time": first[0],
                                                      "state_mb_per_device": state_mb[0]})

@@ -304,7 +304,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                     (args.eval_steps and step % args.eval_steps == 0) or step == total_steps))
                 if due_log or due_eval:
                     log_ahead = begin_log(step, epoch, due_eval)
-                    if due_eval or step >= total_steps:  # eval syncs anyway; the last step has no next one
+                    # Eval syncs anyway; the last step has no next one.
+                    if due_eval or step >= total_steps or not _LOG_AFTER_NEXT_DISPATCH:
                         finish_log_ahead()
                 if checkpointer is not None:
                     if checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
@@ -335,6 +336,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
 
 
+# benchmarks/suite.py's ours_synclog turns it off, to measure what finishing a log step late gains.
+_LOG_AFTER_NEXT_DISPATCH = True
 _NO_LOSS_TOKENS_STEPS = 20  # steps with no loss token before the data is called empty of anything to learn
 _NO_LOSS_TOKENS = (
     "No token of the {steps} steps trained so far counted for the loss (loss_tokens 0): the model learns nothing "
