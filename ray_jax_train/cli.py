@@ -151,13 +151,15 @@ def _sigterm_interrupts(resume_command: str):
     import signal
     import threading
 
+    said = {"resume": False}  # the caller prints only where the run resumes from once the command is out
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield said
         return
 
     def on_sigterm(signum, frame):
         print(f"[ray-jax-train] stopping on SIGTERM (`ray job stop`?); resume: {resume_command}", file=sys.stderr,
               flush=True)
+        said["resume"] = True
         handler = signal.getsignal(signal.SIGINT)  # Ray's or Tune's abort while they run, else KeyboardInterrupt
         if callable(handler):
             handler(signal.SIGINT, frame)
@@ -166,7 +168,7 @@ def _sigterm_interrupts(resume_command: str):
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        yield
+        yield said
     finally:  # None: a handler installed outside Python (JAX's signal dump), which Python cannot put back
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
@@ -259,12 +261,17 @@ def cmd_fit(args) -> int:
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
     _warn_if_in_ray_package_cache(info["run_dir"])
+    said = {"resume": False}
     try:
-        with _sigterm_interrupts(_resume_hint(args, info["name"])):
+        with _sigterm_interrupts(_resume_hint(args, info["name"])) as said:
             result = trainer.fit()
     except KeyboardInterrupt:  # exit 130 in main; the run resumes from its latest checkpoint
-        print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}  {_resume_point(info['run_dir'])}",
-              file=sys.stderr)
+        if said["resume"]:  # the SIGTERM handler printed the command at once, before Ray's abort
+            print(f"[ray-jax-train] the resume command above: {_resume_point(info['run_dir']).strip('()')}",
+                  file=sys.stderr)
+        else:
+            print(f"[ray-jax-train] resume:  {_resume_hint(args, info['name'])}  {_resume_point(info['run_dir'])}",
+                  file=sys.stderr)
         raise
     except Exception as exc:  # the run failed after it started: exit 1, not 2
         return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]))
@@ -362,14 +369,16 @@ def cmd_tune(args) -> int:
     started = time.time()
     command = ("ray-jax-train tune " + shlex.quote(args.config)
                + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
+    said = {"resume": False}
     try:
-        with _sigterm_interrupts(command):
+        with _sigterm_interrupts(command) as said:
             outcome = tune.run(args.config, overrides=args.overrides, quiet=not args.verbose, resume=resume,
                                resume_errored=args.resume_errored)
     except (ConfigError, FileNotFoundError):
         raise
     except tune.SearchInterrupted as exc:
-        print(f"[ray-jax-train] {exc}\n[ray-jax-train] resume:  {command}", file=sys.stderr)
+        print(f"[ray-jax-train] {exc}" + ("" if said["resume"] else f"\n[ray-jax-train] resume:  {command}"),
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
         return _training_failed(exc, args.verbose, absolute(config.run.storage_path))
