@@ -1,7 +1,7 @@
 """Training curves from a run directory's `metrics.jsonl`, and an optional live TensorBoard writer.
 
 `plot_run` draws one panel per metric (loss with eval loss, learning rate, tokens/s), raw points faint and an
-exponential moving average on top, so a noisy tiny run still shows its trend. Matplotlib's Agg backend: no
+exponential moving average on top, so a noisy tiny run still shows its trend, and marks where the run resumed. Matplotlib's Agg backend: no
 display needed (clusters, CI).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 from ray.train.v2.api.callback import UserCallback
 
-__all__ = ["PANELS", "TensorBoardCallback", "plot_run", "read_records", "smooth"]
+__all__ = ["PANELS", "TensorBoardCallback", "draw_curves", "plot_run", "read_records", "smooth"]
 
 # (metric keys drawn together, panel title, y label, log scale)
 PANELS = (
@@ -29,6 +29,10 @@ _LABELS = {"loss": "train loss", "eval_loss": "eval loss", "learning_rate": "lea
 
 def read_records(run_dir: str) -> List[Dict]:
     """The loop's records; a run directory or a metrics.jsonl path. FileNotFoundError if there is none."""
+    return parse_records(_read_metrics_text(run_dir))
+
+
+def _read_metrics_text(run_dir: str) -> str:
     from ray_jax_train.storage import join, read_text
 
     path = run_dir if run_dir.endswith(".jsonl") else join(run_dir, "metrics.jsonl")
@@ -43,7 +47,7 @@ def read_records(run_dir: str) -> List[Dict]:
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
                                 f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`){inside}") \
             from None
-    return parse_records(text)
+    return text
 
 
 def _step_records(text: str) -> Iterator[Dict]:
@@ -88,20 +92,41 @@ def smooth(values: Sequence[float], weight: float) -> List[float]:
 
 def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6, title: Optional[str] = None) -> str:
     """Write a PNG of the run's curves (default `<run_dir>/curves.png`) and return its path."""
+    from ray_jax_train.storage import is_uri, join
+
+    text = _read_metrics_text(run_dir)
+    fig = draw_curves(parse_records(text), resumed_steps(text), smoothing,
+                      title or os.path.basename(os.path.normpath(run_dir)), where=run_dir)
+    head, slash, _ = run_dir.rpartition("/")
+    base = run_dir if not run_dir.endswith(".jsonl") else (head or slash or ".")  # "/m.jsonl" is in "/"
+    output = output or join(base, "curves.png")
+    if is_uri(output):  # a run in a bucket: drawn locally, then copied beside its metrics (savefig wrote "gs:/...")
+        from ray_jax_train.storage import local_dir_for
+
+        folder, name = output.rstrip("/").rsplit("/", 1)
+        with local_dir_for(folder) as local:
+            fig.savefig(os.path.join(local, name), dpi=110)
+    else:
+        fig.savefig(output, dpi=110)
+    import matplotlib.pyplot as plt  # after draw_curves chose the Agg backend
+
+    plt.close(fig)
+    return output
+
+
+def draw_curves(records: List[Dict], resumed: Sequence[int] = (), smoothing: float = 0.6, title: str = "",
+                where: str = "the run"):
+    """The curves' matplotlib figure: a panel per metric, with a dotted line at the first step each later attempt
+    of the run logged (a restart after a failure, or the run started again), so a jump in the loss or tokens/s
+    there reads as a resume, not as training."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_records(run_dir)
     panels = [p for p in PANELS if any(k in r for r in records for k in p[0])]
     if not panels:
-        raise ValueError(f"{run_dir}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
-    from ray_jax_train.storage import is_uri, join
-
-    head, slash, _ = run_dir.rpartition("/")
-    base = run_dir if not run_dir.endswith(".jsonl") else (head or slash or ".")  # "/m.jsonl" is in "/"
-    output = output or join(base, "curves.png")
+        raise ValueError(f"{where}: metrics.jsonl has no loss, learning_rate or tokens_per_s records yet")
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     colors = {"loss": "tab:blue", "eval_loss": "tab:orange", "learning_rate": "tab:green",
               "tokens_per_s": "tab:purple"}
@@ -120,6 +145,8 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
             ax.plot(steps, smooth(values, smoothing), color=color, linewidth=2,
                     label=f"{_LABELS.get(key, key)} (EMA {smoothing:g})")
+        for i, step in enumerate(resumed):
+            ax.axvline(step, color="gray", linestyle=":", linewidth=1, label="resumed" if i == 0 else None)
         ax.set_title(panel_title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
@@ -128,18 +155,9 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
         ax.grid(True, alpha=0.3)
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
         ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title or os.path.basename(os.path.normpath(run_dir)), fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    if is_uri(output):  # a run in a bucket: drawn locally, then copied beside its metrics (savefig wrote "gs:/...")
-        from ray_jax_train.storage import local_dir_for
-
-        folder, name = output.rstrip("/").rsplit("/", 1)
-        with local_dir_for(folder) as local:
-            fig.savefig(os.path.join(local, name), dpi=110)
-    else:
-        fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
+    return fig
 
 
 def _finite(value) -> bool:

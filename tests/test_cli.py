@@ -371,6 +371,20 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch)
         f.write("\n".join(json.dumps({"step": s, "loss": 2.0}) for s in (150, 152)) + "\n")
     steps = [r["step"] for r in read_records(str(tmp_path))]
     assert steps[-4:] == [146, 148, 150, 152] and steps == sorted(set(steps))
+    # Each later attempt's first logged step is marked on every panel: a jump there is a resume, not training.
+    from ray_jax_train.plot import draw_curves, resumed_steps
+
+    (tmp_path / "resumed").mkdir()
+    attempts = [{"step": 2, "loss": 3.0, "startup_s": 9.0}, {"step": 4, "loss": 2.5}, {"step": 6, "loss": 2.4},
+                {"step": 4, "loss": 2.6, "startup_s": 5.0}, {"step": 6, "loss": 2.3}, {"step": 8, "loss": 2.2}]
+    (tmp_path / "resumed" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attempts))
+    text = (tmp_path / "resumed" / "metrics.jsonl").read_text()
+    assert resumed_steps(text) == [4]  # the first attempt is no resume
+    fig = draw_curves(read_records(str(tmp_path / "resumed")), resumed_steps(text))
+    marks = [line for line in fig.axes[0].lines if line.get_linestyle() == ":"]
+    assert [line.get_xdata()[0] for line in marks] == [4]
+    assert "resumed" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert run(["plot", str(tmp_path / "resumed")], capsys)[0] == 0 and (tmp_path / "resumed" / "curves.png").exists()
     # A metrics.jsonl named by a bare relative path: the curves go beside it (the directory was "metrics.jsonl").
     monkeypatch.chdir(tmp_path)
     code, out, _ = run(["plot", "metrics.jsonl"], capsys)
