@@ -181,7 +181,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     metrics_file = outputs.metrics_file() if rank0 else None
     # progress_bar=False turns the bar off, not the progress: a Tune example set it, and its trials logged nothing
     # until the search ended.
-    progress = Progress(total_steps, initial=step, enabled=rank0,
+    progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet,
                         lines=config.get("progress_lines", False) or not args.progress_bar)
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
                             outputs.filesystem, rank=ray.train.get_context().get_world_rank())
