@@ -384,7 +384,8 @@ def cmd_tune(args) -> int:
         return _training_failed(exc, args.verbose, absolute(config.run.storage_path))
     grid = outcome.results
     print("\n=== ray-jax-train: search done ===")
-    print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {time.time() - started:.0f}s)")
+    took = f"{time.time() - started:.0f}s" + (" since the resume" if resume else "")
+    print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {took})")
     for line in _trial_lines(grid, outcome, config.training.get("total_steps")):
         print(line)
     print(f"best {outcome.metric}:  {outcome.best_metrics[outcome.metric]:.4f} with "

@@ -10,6 +10,7 @@ import glob
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,6 +273,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     done = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "trials:      3 (0 failed" in done.stdout and "Resuming the search" in done.stderr, done.stdout[-3000:]
+    assert re.search(r"trials:      3 \(0 failed; \d+s since the resume\)", done.stdout), done.stdout[-3000:]
     # The finished trial was not run again, and no trial got a new id (a new Train run).
     assert (short / "metrics.jsonl").read_text() == short_records
     assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
