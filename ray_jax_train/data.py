@@ -206,8 +206,7 @@ def iter_jax_batches(
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreement, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
-    host_batches = itertools.islice(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches,
-                                    None)
+    host_batches = _skipped(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches)
 
     global_shape_of = lambda array: (batch_size,) + array.shape[1:]  # noqa: E731
 
@@ -218,6 +217,21 @@ def iter_jax_batches(
         }
 
     return _prefetched(map(to_device, host_batches), prefetch)
+
+
+def _skipped(batches, skip: int):
+    """`batches` after the first `skip`. Skipping past the end (not to it: a position saved on an epoch's last
+    batch resumes there) warns: a resume whose saved position no longer fits the data (other data, another
+    batch_size) otherwise trained nothing from this iterator without a word."""
+    available = 0
+    for batch in batches:
+        if available >= skip:
+            yield batch
+        available += 1
+    if skip > available:
+        logger.warning("iter_jax_batches(skip_batches=%d): the data holds only %d global batches, so this iterator "
+                       "gives none. A resume's saved position that no longer fits the data (other data or another "
+                       "batch_size than the run saved it with) does this.", skip, available)
 
 
 class _RowCount:

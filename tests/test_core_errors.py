@@ -1,4 +1,6 @@
 """Bad input fails early with a message that names the problem and the fix (driver side, no workers)."""
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -437,7 +439,7 @@ def test_iterator_settings_that_would_spin_or_grow_without_bound_are_refused():
         rjt.ResumableBatches({"x": np.arange(16)}, batch_size=4, mesh=mesh, prefetch=0)
 
 
-def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster):
+def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster, caplog):
     """A drop-in loop over fewer rows than one batch ran zero steps and ended as if it had trained (fit() then
     returned success with no metrics); later a warning said why; now it is an error."""
     import ray.data
@@ -448,3 +450,8 @@ def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster):
     # A tail dropped after a batch, or batches skipped on resume, are no surprise.
     assert len(list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh))) == 1
     assert list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh, skip_batches=1)) == []
+    assert "skip_batches" not in caplog.text  # skipped to the end: a position saved on the epoch's last batch
+    # Past the end: a resume whose saved position no longer fits the data gave nothing without a word (a review).
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.data"):
+        assert list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh, skip_batches=3)) == []
+    assert "skip_batches=3): the data holds only 1 global batches" in caplog.text
