@@ -322,6 +322,12 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
     assert _state_mismatch(whole, {"params": array}).endswith("pass partial=True")
     assert _state_mismatch(whole, {"params": array}, partial=True) is None
     assert "partial=True" not in _state_mismatch(whole, {"params": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    # A model restored on its own from a checkpoint of {"model": ..., "opt": ...}: the error names the nesting.
+    nested = {"model": {"blocks": {"w": array, "b": array}}, "opt": {"blocks": {"w": array}}}
+    for partial in (False, True):
+        assert "holds this run's arrays under 'model/'" in _state_mismatch(nested, {"blocks": {"w": array, "b": array}},
+                                                                            partial=partial)
+    assert "under '" not in _state_mismatch(nested, {"blocks": {"w": array, "c": array}})  # not all of them there
     differs = r"differ \(checkpoint vs this run\) for"
     cases = [(target(hidden=32), rf"shapes {differs} 15 arrays: opt_state/0/mu/0/b \(16,\) vs \(32,\)"),
              (target(dtype=jnp.bfloat16), rf"dtypes {differs} 18 arrays: .* float32 vs bfloat16"),
@@ -508,6 +514,17 @@ def rollback_loop(config):
     except ValueError as exc:
         assert "not a checkpoint but a directory of checkpoints: 3; the latest is" in str(exc), exc
         assert "Pass one of them" in str(exc)
+    beside = os.path.join(ckpt.location.fs_path, "not_a_checkpoint.json")  # Ray's snapshot file, say, from a glob
+    with open(beside, "w") as f:
+        f.write("{}")
+    try:
+        ckpt.restore(target, "file://" + beside)
+        raise AssertionError("a file restored")
+    except CheckpointCorruptError as exc:
+        raise AssertionError(f"a file reported as a damaged save: {exc}")
+    except ValueError as exc:
+        assert "is a file, not a checkpoint directory" in str(exc), exc
+    os.remove(beside)
     try:
         abstract_state({"w": state["w"], "step": 5})
         raise AssertionError("a Python int became a target")

@@ -66,6 +66,7 @@ class CheckpointMismatchError(ValueError):
 
 _MISMATCH = "holds a different train state than this run builds: "
 _RUN_DIR = "is not a checkpoint but a directory of checkpoints: "
+_A_FILE = "is a file, not a checkpoint directory"
 
 
 def _key_names(path) -> Tuple[str, ...]:
@@ -132,7 +133,26 @@ def _state_mismatch(saved_tree, target, partial: bool = False, hint_partial: boo
     if hint_partial and parts and all(title == "only in the checkpoint" for title, items in groups if items):
         parts.append("to read only the arrays the target names (e.g. the params of a whole train state), pass "
                      "partial=True")
+    prefix = _common_prefix(groups[1][1], set(saved))
+    if prefix:
+        name = "/".join(prefix)
+        parts.append(f"the checkpoint holds this run's arrays under '{name}/' (a state saved as "
+                     f"{{'{prefix[0]}': ...}}): restore into a target with that nesting (partial=True reads only it)")
     return "; ".join(parts) or None
+
+
+def _common_prefix(missing: List[tuple], saved: set) -> Optional[tuple]:
+    """The key prefix under which the checkpoint holds every array the target misses, if there is one: a model
+    restored on its own from a checkpoint of {"model": ..., "opt": ...}."""
+    if not missing:
+        return None
+    first = missing[0]
+    for candidate in saved:
+        if len(candidate) > len(first) and candidate[-len(first):] == first:
+            prefix = candidate[:-len(first)]
+            if all(prefix + key in saved for key in missing):
+                return prefix
+    return None
 
 
 @dataclasses.dataclass
@@ -259,6 +279,12 @@ def _finished_marks(loc: _Location) -> Tuple[str, ...]:
     short."""
     commit_file = _s3.is_s3(loc.filesystem) or getattr(loc.filesystem, "type_name", "") == "gcs"
     return ("_CHECKPOINT_METADATA", "commit_success.txt") if commit_file else ("_CHECKPOINT_METADATA",)
+
+
+def _is_file(loc: _Location) -> bool:
+    import pyarrow.fs as pafs
+
+    return loc.filesystem.get_file_info(loc.fs_path).type == pafs.FileType.File
 
 
 def _exists(loc: _Location, relative: str = "") -> bool:
@@ -1174,6 +1200,9 @@ class JaxCheckpointer:
             run_dir = next((v for v, _, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
             if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
                 raise ValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
+            if explicit and any(v and v.startswith(_A_FILE) for v, _, _ in verdicts):
+                raise ValueError(f"{loc.uri} {_A_FILE} (checkpoint_* beside it holds Ray's own bookkeeping files "
+                                 "too): pass a checkpoint_<step>_<id> directory, or Result.checkpoint.")
             if mismatch:
                 fix = ("Give a checkpoint of this model, or the model settings it was saved with." if explicit else
                        "Resume with the model and optimizer settings the checkpoint was saved with, or start a fresh "
@@ -1211,6 +1240,8 @@ class JaxCheckpointer:
         try:
             if not _exists(loc):
                 return None, "the directory does not exist", None
+            if _is_file(loc):
+                return None, _A_FILE, None
             for required in (*_finished_marks(loc), META_FILE, f"{STATE_ITEM}/_METADATA"):
                 if not _exists(loc, required):
                     inside = _checkpoints_in(loc) if required == "_CHECKPOINT_METADATA" else []
