@@ -673,6 +673,10 @@ class JaxCheckpointer:
             ckpt.maybe_save(step, state, metrics=lambda: {"loss": float(loss)}, data_state={...})
         ckpt.close()
 
+    A save reports to Ray itself, with `metrics`: a loop that also calls `ray.train.report` at that step makes two
+    reports of one step (Tune and Ray's scoring see both; `Result.metrics` is the checkpoint's). Report on the
+    other steps only, or pass everything in `metrics`.
+
     Args:
         save_every: save when `step % save_every == 0` in `maybe_save` (None: only explicit or preemption saves).
         async_save: write in the background while training goes on (False: each save blocks until on disk).
