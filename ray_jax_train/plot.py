@@ -14,7 +14,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 from ray.train.v2.api.callback import UserCallback
 
-__all__ = ["PANELS", "TensorBoardCallback", "draw_curves", "plot_run", "read_records", "smooth"]
+__all__ = ["PANELS", "MetricsFileCallback", "TensorBoardCallback", "draw_curves", "plot_run", "read_records",
+           "smooth"]
 
 # (metric keys drawn together, panel title, y label, log scale)
 PANELS = (
@@ -162,6 +163,49 @@ def draw_curves(records: List[Dict], resumed: Sequence[int] = (), smoothing: flo
 
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+class MetricsFileCallback(UserCallback):
+    """Writes rank 0's metrics of every report, as lines of JSON, to the run's `metrics.jsonl`
+    (`<storage_path>/<name>/`, from `RunConfig`), the file the built-in loop writes itself: then `ray-jax-train plot`,
+    `rjt.lm.read_metrics` and the summary's reading of restarts work for a loop of your own. Ray V2's
+    `Result.metrics_dataframe` keeps only the reports that came with a checkpoint.
+
+        RunConfig(name="mine", storage_path="/shared/runs", callbacks=[rjt.plot.MetricsFileCallback()])
+
+    Reports with a checkpoint are written too (a loop may report only then). Give each record a "step" for the
+    curves; a resumed attempt's records of a step replace the earlier ones when read. Not for the built-in loop,
+    which writes the file already (its records would be there twice)."""
+
+    def __init__(self):
+        self._file = None
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if not metrics or not metrics[0]:
+            return
+        if self._file is None:
+            from ray_jax_train.storage import AppendOnlyFile, filesystem, join
+
+            config = run_context.get_run_config()
+            run_dir = join(str(config.storage_path), config.name)
+            if config.storage_filesystem is not None:
+                fs, path = config.storage_filesystem, run_dir
+            else:
+                fs, path = filesystem(run_dir)
+            # Written through on object stores too (no later hook would flush what is held back); the file is small.
+            self._file = AppendOnlyFile(fs, f"{path.rstrip('/')}/metrics.jsonl", flush_every_s=0.0)
+        self._file.append(json.dumps(metrics[0], default=_plain))
+
+    def __getstate__(self):
+        return {"_file": None}
+
+
+def _plain(value):
+    """numpy and jax scalars in a report's metrics, as JSON numbers."""
+    try:
+        return value.item()
+    except AttributeError:
+        return str(value)
 
 
 class TensorBoardCallback(UserCallback):

@@ -181,6 +181,29 @@ def test_example_two_workers_match_single_process(ray_cluster, tmp_path):
     np.testing.assert_allclose(losses[-1], ref_losses[-1], rtol=1e-5)
 
 
+def _reports_three_steps(config):
+    import numpy as np
+    import ray.train
+
+    for step in (1, 2, 3):
+        ray.train.report({"step": step, "loss": np.float32(4.0 - step), "note": "mine"})
+
+
+def test_a_loop_of_your_own_gets_a_metrics_file_that_plot_reads(ray_cluster, tmp_path):
+    """A persona review: Ray V2's metrics_dataframe held only the reports with a checkpoint, and only the built-in
+    loop wrote metrics.jsonl; the opt-in callback writes every report there for a loop of one's own."""
+    from ray_jax_train.plot import MetricsFileCallback, plot_run, read_records
+
+    trainer = rjt.JaxTrainer(_reports_three_steps, scaling_config=ScalingConfig(num_workers=1),
+                             run_config=RunConfig(name="own", storage_path=str(tmp_path),
+                                                  callbacks=[MetricsFileCallback()]))
+    assert trainer.fit().error is None
+    records = read_records(str(tmp_path / "own"))
+    assert [(r["step"], r["loss"], r["note"]) for r in records] == [(1, 3.0, "mine"), (2, 2.0, "mine"),
+                                                                   (3, 1.0, "mine")]
+    assert os.path.exists(plot_run(str(tmp_path / "own")))
+
+
 def test_iter_jax_batches_reads_at_once_and_stops_when_dropped(ray_cluster):
     """The read starts when the iterator is made (so a loop can overlap it with compiling), and an iterator
     dropped before its first batch does not leave its reader thread behind."""
