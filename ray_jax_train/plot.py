@@ -1,8 +1,8 @@
 """Training curves from a run directory's `metrics.jsonl`, and an optional live TensorBoard writer.
 
 `plot_run` draws one panel per metric (loss with eval loss, learning rate, tokens/s), raw points faint and an
-exponential moving average on top, so a noisy tiny run still shows its trend, and marks where the run resumed. Matplotlib's Agg backend: no
-display needed (clusters, CI).
+exponential moving average on top, so a noisy tiny run still shows its trend, and marks where the run resumed.
+Matplotlib's Agg backend: no display needed (clusters, CI).
 """
 from __future__ import annotations
 
@@ -167,8 +167,8 @@ def _finite(value) -> bool:
 
 class MetricsFileCallback(UserCallback):
     """Writes rank 0's metrics of every report, as lines of JSON, to the run's `metrics.jsonl`
-    (`<storage_path>/<name>/`, from `RunConfig`), the file the built-in loop writes itself: then `ray-jax-train plot`,
-    `rjt.lm.read_metrics` and the summary's reading of restarts work for a loop of your own. Ray V2's
+    (`<storage_path>/<name>/`, from `RunConfig`), the file the built-in loop writes itself: then `ray-jax-train plot`
+    and `rjt.lm.read_metrics` work for a loop of your own. Ray V2's
     `Result.metrics_dataframe` keeps only the reports that came with a checkpoint.
 
         RunConfig(name="mine", storage_path="/shared/runs", callbacks=[rjt.plot.MetricsFileCallback()])

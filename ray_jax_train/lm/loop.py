@@ -254,7 +254,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if entry["stacked"] is not None:
             stacked = jax.device_get(entry["stacked"])
             _stop_if_not_finite(stacked, at, checkpointer, remember)
-            record.update(_summarise(stacked), learning_rate=float(schedule(at - 1)))
+            record.update(_summarise(stacked, at, schedule))
             loss_tokens_seen += record["loss_tokens"]
             # The same global sum on every process: all raise together. Not at the first log step: data sorted
             # with its plain-text rows first may start with a few batches of nothing.
@@ -479,8 +479,7 @@ def _write_unfinished(entry: Dict[str, Any], metrics_file, schedule) -> None:
         if entry["stacked"] is not None:
             if not all(x.is_ready() for x in entry["stacked"].values()):
                 return
-            record.update(_summarise(jax.device_get(entry["stacked"])),
-                          learning_rate=float(schedule(record["step"] - 1)))
+            record.update(_summarise(jax.device_get(entry["stacked"]), record["step"], schedule))
         metrics_file.append(json.dumps(record))
     except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to raise
         logger.debug("Could not write step %s's record after the failure: %r", record.get("step"), exc)
@@ -498,11 +497,10 @@ def _to_host_soon(pending: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _fetch(pending: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
-    """The steps' device metrics, stacked per key, on the host: the one host sync per log interval."""
+    """The steps' device metrics, stacked per key, on the host: a host sync."""
     import jax
-    import jax.numpy as jnp
 
-    return jax.device_get({k: jnp.stack([m[k] for m in pending]) for k in pending[0]})
+    return jax.device_get(_to_host_soon(pending))
 
 
 def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer,
@@ -567,13 +565,13 @@ def _all_finite(tree) -> bool:
     return bool(jax.device_get(_finite_check()(tree)))
 
 
-def _summarise(stacked: Dict[str, np.ndarray]) -> Dict[str, float]:
-    """The interval's token-weighted loss and the last step's grad norm."""
+def _summarise(stacked: Dict[str, np.ndarray], last_step: int, schedule) -> Dict[str, float]:
+    """The interval's token-weighted loss, the last step's grad norm and learning rate."""
     tokens = stacked["tokens"]
     # Token-weighted mean: the loss of all the tokens in the interval, not a mean of per-step means.
     loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "grad_norm": float(stacked["grad_norm"][-1]),
-            "loss_tokens": float(np.sum(tokens))}
+            "loss_tokens": float(np.sum(tokens)), "learning_rate": float(schedule(last_step - 1))}
 
 
 def _warn_about_changed_settings(restored, current_opt_state, scheduler: str, total_steps: int) -> None:
