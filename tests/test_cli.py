@@ -708,3 +708,27 @@ def test_model_scaling_index_multiplies_the_widths_and_can_be_searched(tmp_path,
     data["tune"] = {"param_space": {"model.scaling_index": {"grid_search": [1, 2]}}}
     code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
     assert code == 0, err
+
+
+def test_a_bad_row_found_while_ray_data_tokenises_is_named_not_ray_s_retry_advice():
+    """A row past the first ones the driver checks fails inside a Ray Data map task: `fit` printed 60 lines of
+    traceback and exited 1, and the error's last line was Ray Data's retry advice, not the row's problem."""
+    import ray.exceptions
+
+    from ray_jax_train.run_config import read_error
+
+    traceback_text = (
+        "Traceback (most recent call last):\n"
+        '  File "ray_jax_train/text/encode.py", line 81, in check_roles\n'
+        "ray_jax_train.text.errors.TextDataError: message 0 of a conversation has no string 'role' ({'content': "
+        "'x'}): each message needs a role.\n\nThe above exception was the direct cause of the following exception:\n\n"
+        "ray::MapWorker(MapBatches(TokenizeAndPack)).submit() (pid=7627)\n"
+        "ray.exceptions.UserCodeException: UDF failed to process a data block.\n"
+        "Failed to apply UDF transform after 1/1 attempts (total backoff 0.0s).\n"
+        "To change retry attempts, configure `ray.data.DataContext.get_current()` if you believe this to be "
+        "transient.")
+    exc = ray.exceptions.RayTaskError("submit", traceback_text,
+                                      ray.exceptions.UserCodeException("UDF failed")).as_instanceof_cause()
+    assert read_error(exc) == ("message 0 of a conversation has no string 'role' ({'content': 'x'}): each message "
+                               "needs a role.")
+    assert read_error(ValueError("plain")) == "plain"

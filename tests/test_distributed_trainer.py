@@ -320,8 +320,10 @@ def test_load_processor_pads_with_eos_and_warns(tokenizer_dir, tmp_path, caplog)
     assert any("no pad token" in r.getMessage() for r in caplog.records)
 
 
-def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray_cluster, tmp_path):
+def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray_cluster, tmp_path, caplog):
     # The CLI materialises its datasets; counting them is free, so too little data fails here, not in the workers.
+    import logging
+
     from ray_jax_train.lm.data import prepare_lm_datasets
 
     rows = packed_rows()
@@ -331,6 +333,12 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
     datasets, _, total = prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4}),
                                              materialize=True)
     assert total == 10 and datasets["train"].count() == len(rows)
+    # eval_steps with no eval data evaluated nothing, without a word.
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.data"):
+        prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4, "eval_steps": 2}),
+                            names=("data.source", "data.eval_source"))
+    assert "eval_steps=2 is set, but there is no eval data: nothing will be evaluated. Give data.eval_source or " \
+           "data.eval_fraction" in caplog.text
 
 
 _SMALL_RAY_SCRIPT = """

@@ -19,6 +19,7 @@ from ray_jax_train.models import from_pretrained, load_hf_config
 from ray_jax_train.text import load_tokenizer, pack_documents, train_tokenizer
 
 SEQ = 32
+GENERATION = {"eos_token_id": [2, 3], "do_sample": True, "temperature": 0.6}  # an instruct model's: eos + end of turn
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,9 @@ def run(ray_cluster, tmp_path_factory):
                              save_steps=2, save_final_model=True, progress_bar=False)
     trainer = rjt.JaxTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(args, config, 4, {}, list(DEFAULT_COLUMNS), False, tokenizer=tokenizer),
+        # As a run from a Hugging Face model with a generation_config.json carries it (see _generation_config_of).
+        train_loop_config=loop_config(args, config, 4, {}, list(DEFAULT_COLUMNS), False, tokenizer=tokenizer,
+                                      generation_config=json.dumps(GENERATION)),
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="export", storage_path=str(tmp)), datasets={"train": dataset})
     result = trainer.fit()
@@ -70,6 +73,13 @@ def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path)
     by_cli = _params(tmp_path / "cli")
     assert all(np.array_equal(by_cli[k], final[k]) for k in final)
     assert os.path.isfile(tmp_path / "cli" / "tokenizer.json")
+    # The generation settings of the model the run started from stay with every form of the trained one: without
+    # them transformers' generate would run past an instruct model's end of turn.
+    for directory in (os.path.join(run_dir, "final_model"), os.path.join(run_dir, "model"), out, tmp_path / "cli"):
+        assert json.loads(open(os.path.join(directory, "generation_config.json")).read()) == GENERATION, directory
+        assert rjt.generation_eos_ids(directory) == [2, 3]
+    assert main(["export", last, str(tmp_path / "other_tok"), "--tokenizer", out]) == 0  # another tokenizer too
+    assert rjt.generation_eos_ids(tmp_path / "other_tok") == [2, 3]
 
     export_checkpoint(early, tmp_path / "early")
     assert not all(np.array_equal(a, final[k]) for k, a in _params(tmp_path / "early").items())
@@ -77,6 +87,19 @@ def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path)
 
 def test_export_says_what_it_needs(run, tmp_path, capsys):
     run_dir, _ = run
+    # A directory with files in it (a base model, a mistyped path) is refused before anything is read or written.
+    base = tmp_path / "base_model"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"the user's own weights")
+    with pytest.raises(FileExistsError, match="holds files already .* overwrite=True"):
+        export_checkpoint(run_dir, base)
+    assert main(["export", run_dir, str(base)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (base / "model.safetensors").read_bytes() == b"the user's own weights"
+    (base / "generation_config.json").write_text("{}")  # the earlier model's; this run has its own
+    assert main(["export", run_dir, str(base), "--overwrite"]) == 0
+    assert _params(base).keys() == _params(os.path.join(run_dir, "final_model")).keys()
+    assert rjt.generation_eos_ids(base) == [2, 3]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_checkpoint(tmp_path / "nothing", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match="neither a ray_jax_train checkpoint .* It is a Hugging Face model "
@@ -176,3 +199,14 @@ def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path):
     check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64))  # nothing to resume from
     with pytest.raises(ConfigError, match=r"hidden_size 32 -> 64; intermediate_size 64 -> 96.*--set run.name"):
         check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))
+
+
+def test_a_run_from_a_hugging_face_model_keeps_its_generation_config(tmp_path):
+    """Read on the driver from the starting model's directory (the one place every node's run can get it from)."""
+    from ray_jax_train.lm.loop import _generation_config_of
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(GENERATION))
+    assert json.loads(_generation_config_of({"source": "hf", "path": str(tmp_path)})) == GENERATION
+    assert _generation_config_of({"source": "hf", "path": str(tmp_path / "none")}) is None
+    assert _generation_config_of({"source": "checkpoint", "path": str(tmp_path)}) is None
+    assert _generation_config_of({}) is None

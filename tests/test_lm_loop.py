@@ -213,6 +213,27 @@ def test_optimizer_numbers_are_state_so_runs_share_one_step_program():
     assert _max_diff(params, ref_params) > 1e-4  # three steps did move the weights
 
 
+def test_a_resume_takes_this_run_s_optimizer_numbers_without_building_its_starting_weights():
+    """A resume restores into the abstract state, so the starting weights (a Hugging Face model read from disk) are
+    not built on every restart only to be thrown away; this run's optimizer numbers still come from a program that
+    makes them as a new state would, placed as that state places them."""
+    from ray_jax_train.lm import state as state_lib
+
+    mesh = rjt.make_mesh({"dp": -1})
+    args = TrainingArguments(total_steps=20, batch_size=4, max_sequence_length=SEQ, learning_rate=2e-3,
+                             warmup_steps=3, weight_decay=0.05)
+    optimizer, _ = make_optimizer(args, 20)
+    new_state_fn = lambda params, step: new_state(params, optimizer, step)  # noqa: E731
+    abstract = state_lib.abstract_state(CONFIG, mesh, new_state_fn)
+    fresh = state_lib.fresh_hyperparameters(abstract, new_state_fn)
+    built = state_lib.initial_state({}, CONFIG, mesh, new_state_fn=new_state_fn)["opt_state"].hyperparams
+    assert fresh.keys() == built.keys() and "peak_learning_rate" in fresh
+    for name in built:
+        assert np.asarray(fresh[name]) == np.asarray(built[name]), name
+        assert fresh[name].sharding == built[name].sharding, name
+    assert state_lib.fresh_hyperparameters({"opt_state": (), "params": {}}, new_state_fn) is None
+
+
 def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, monkeypatch):
     """2 workers x 2 CPU devices (dp=2, fsdp=2, 2 micro-batches) == the same jitted step in this process, even when
     rank 1 is SIGKILLed at step 5: the group restarts, restores the sharded state from its last registered

@@ -7,9 +7,12 @@ data, no chat template) raise here, before any worker starts.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ray_jax_train.lm.arguments import TrainingArguments
+
+logger = logging.getLogger(__name__)
 
 REQUIRED = ("input_ids", "targets", "loss_mask")
 OPTIONAL = ("attention_mask", "segment_ids", "positions")
@@ -84,6 +87,10 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
                                            max_position_embeddings=max_position_embeddings, what=names[0],
                                            vocab_size=vocab_size)
     datasets = {"train": train_ds}
+    if eval_source is None and args.eval_steps:
+        eval_name = "data.eval_source or data.eval_fraction" if names[1] == "data.eval_source" else names[1]
+        logger.warning("eval_steps=%d is set, but there is no eval data: nothing will be evaluated. Give %s, or "
+                       "leave eval_steps out.", args.eval_steps, eval_name)
     if eval_source is not None:
         datasets["eval"], eval_columns = prepare_lm_dataset(
             eval_source, tokenizer, args, data_collator=data_collator, what=names[1],

@@ -19,13 +19,14 @@ logger = logging.getLogger(__name__)
 MODEL_FILES = "model"  # in the run directory: the HF config.json and the tokenizer's files
 HF_CONFIG_KEY = "hf_config"  # in a checkpoint's metadata: the config.json its params were trained with
 _CHECKPOINT_MARK = "_CHECKPOINT_METADATA"
+GENERATION_CONFIG = "generation_config.json"  # HF's generation settings (an instruct model's end-of-turn eos)
 _RUN_MARK = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's registered checkpoints
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any = None, tokenizer: Any = None,
-                      dtype: Any = None) -> str:
+                      dtype: Any = None, overwrite: bool = False) -> str:
     """Write `source`'s params as an HF directory (config.json, safetensors, tokenizer) in `out_dir`; returns it.
 
     `source`: a checkpoint directory (`<run>/checkpoint_...`) or a run directory (its latest registered
@@ -34,12 +35,15 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     config the checkpoint was saved with (else the run's `<run>/model/config.json`), and `tokenizer` (a directory
     or tokenizer object) the run's `<run>/model/` tokenizer; a checkpoint from before configs were saved with it,
     of a run without `model/`, needs `model_config`. `dtype` casts the saved weights (default: the params' dtype).
+    The run's `generation_config.json` (kept from the Hugging Face model it started from) comes along. An `out_dir`
+    that holds files already is refused unless `overwrite=True`: a user's base model would otherwise be replaced.
     """
     import pyarrow.fs as pafs
 
     from ray_jax_train import storage
     from ray_jax_train.models import save_pretrained
 
+    _refuse_a_full_dir(os.fspath(out_dir), overwrite)
     checkpoint, run_dir = _resolve(os.fspath(source))
     fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
@@ -59,8 +63,15 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
 
     model = _restore_model(checkpoint, model_config)
     with storage.local_dir_for(os.fspath(out_dir)) as local:
+        if overwrite and os.path.isfile(os.path.join(local, GENERATION_CONFIG)):
+            os.remove(os.path.join(local, GENERATION_CONFIG))  # the earlier model's, which the run may not have
         if has_files and tokenizer is None:  # the tokenizer's files; save_pretrained then writes config.json
             pafs.copy_files(model_files, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        elif has_files:  # another tokenizer: the run's generation settings still belong to the model
+            generation = f"{model_files}/{GENERATION_CONFIG}"
+            if fs.get_file_info(generation).type == pafs.FileType.File:
+                pafs.copy_files(generation, os.path.join(local, GENERATION_CONFIG), source_filesystem=fs,
+                                destination_filesystem=pafs.LocalFileSystem())
         elif isinstance(tokenizer, (str, os.PathLike)):
             from ray_jax_train.text import load_tokenizer
 
@@ -73,6 +84,25 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
                            "tokenizer= (CLI: --tokenizer DIR), or give one to whatever loads it.", out_dir)
     logger.info("Exported %s to %s.", checkpoint, out_dir)
     return os.fspath(out_dir)
+
+
+def _refuse_a_full_dir(out_dir: str, overwrite: bool) -> None:
+    """An export into a directory with files in it would mix two models' files, or replace a model a run starts
+    from (a mistyped path): refused before anything is read, unless asked for."""
+    import pyarrow.fs as pafs
+
+    from ray_jax_train import storage
+
+    fs, path = storage.filesystem(out_dir)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        raise FileExistsError(f"{out_dir} is a file: give export a directory to write the model in.")
+    if info.type != pafs.FileType.Directory or overwrite:
+        return
+    if fs.get_file_info(pafs.FileSelector(path, recursive=False)):
+        raise FileExistsError(
+            f"{out_dir} holds files already (a model there would be replaced, and its other files mixed with this "
+            "one's): give export a new or empty directory, or pass overwrite=True (CLI: --overwrite).")
 
 
 def _resolve(source: str):

@@ -27,11 +27,12 @@ import tempfile
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from ray_jax_train.lm.export import HF_CONFIG_KEY, MODEL_FILES
+from ray_jax_train.lm.export import GENERATION_CONFIG, HF_CONFIG_KEY, MODEL_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,23 @@ def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], colu
     tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and wanted else None
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
             "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref,
+            "generation_config": _generation_config_of(init) if wanted else None,
             "progress_lines": not _is_terminal(sys.stdout), **extra}
+
+
+def _generation_config_of(init: Dict[str, Any]) -> Optional[str]:
+    """The text of the starting Hugging Face model's `generation_config.json`, read on the driver, or None.
+
+    It names the tokens generation stops at (Llama 3 Instruct's `<|eot_id|>` is only there) and the sampling
+    defaults: the final model and every export keep it, or `generate` in transformers runs past each turn's end.
+    """
+    if init.get("source") != "hf":
+        return None
+    try:
+        with open(os.path.join(init["path"], GENERATION_CONFIG)) as f:
+            return f.read()
+    except OSError:  # none, or unreadable: the model generates with its config.json's eos as before
+        return None
 
 
 def _is_terminal(stream) -> bool:
@@ -120,23 +137,25 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                              jax.tree.map(lambda leaf: leaf.sharding, abstract), mesh)
     if first_epoch is not None:
         first_epoch = _compile_ahead(step_fn, mesh, abstract, first_epoch)
-    state = state_lib.initial_state(config.get("init") or {}, model_config, mesh, new_state_fn=new_state_fn)
 
     data_pos = {"epoch": 0, "batch": 0}
-    resumed_at = None
+    resumed_at, state = None, None
     if checkpointer is not None and not args.resume_if_possible:
         checkpointer._restore_called = True  # starting over is what was asked for: no "restore() not called" warning
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
-        from ray_jax_train.checkpoint import abstract_state
-
-        restored = checkpointer.restore(abstract_state(state))
+        # Restored into the abstract state: the starting weights (a Hugging Face model, a checkpoint) are read
+        # only when there is nothing to resume, not on every restart only to be thrown away.
+        restored = checkpointer.restore(abstract)
         if restored is not None:
+            hyperparams = state_lib.fresh_hyperparameters(abstract, new_state_fn)
+            fresh = SimpleNamespace(hyperparams={} if hyperparams is None else hyperparams)
             if rank0:
                 try:  # advice only: it must not fail the one process that gives it
-                    _warn_about_changed_settings(restored, state["opt_state"], args.scheduler, total_steps)
+                    _warn_about_changed_settings(restored, fresh, args.scheduler, total_steps)
                 except Exception as exc:  # noqa: BLE001
                     logger.debug("Could not compare the optimizer settings with the checkpoint's: %s", exc)
-            restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], state["opt_state"])
+            if hyperparams is not None:
+                restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], fresh)
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             resumed_at = restored.step
             if rank0:  # the same on every worker
@@ -144,6 +163,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             if not restored.data_state and restored.step:
                 logger.warning("Checkpoint %s records no data position: step %d trains on the data from its start "
                                "again (a checkpoint saved by another loop?).", restored.path, restored.step)
+    if state is None:
+        state = state_lib.initial_state(config.get("init") or {}, model_config, mesh, new_state_fn=new_state_fn)
     step = int(jax.device_get(state["step"]))  # one sync, before the loop
 
     recorder = _Recorder(config.get("record_dir"), rank0)
@@ -164,7 +185,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     if rank0 and args.save_steps:
         # After the restore: a resume with another model config fails there, and must not first overwrite the
         # config that the run's earlier checkpoints export with.
-        outputs.save_model_files(model_config, config.get("tokenizer"))
+        outputs.save_model_files(model_config, config.get("tokenizer"), config.get("generation_config"))
     run_id = _train_run_id()
     went_nan = outputs.nonfinite_record(run_id)
     if went_nan is not None and went_nan.get("error") == NoLossTokensError.__name__:
@@ -333,7 +354,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     if args.save_final_model:
         from flax import nnx
 
-        outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0)
+        outputs.save_final_model(nnx.merge(graphdef, state["params"]), config.get("tokenizer"), rank0,
+                                 config.get("generation_config"))
 
 
 # benchmarks/suite.py's ours_synclog turns it off, to measure what finishing a log step late gains.
@@ -680,9 +702,9 @@ class RunOutputs:
 
         return AppendOnlyFile(self.filesystem, f"{self.run_path}/metrics.jsonl")
 
-    def save_model_files(self, model_config, tokenizer_ref) -> None:
-        """`model/`: the HF config.json and the tokenizer, all an export of a checkpoint needs besides its params.
-        Rank 0 only. Skipped for a config HF cannot load, whose checkpoints have no HF form to export to."""
+    def save_model_files(self, model_config, tokenizer_ref, generation_config: Optional[str] = None) -> None:
+        """`model/`: the HF config.json, the tokenizer and the generation config (where the run started from an HF
+        model with one), all an export of a checkpoint needs besides its params. Rank 0 only. Skipped for a config HF cannot load, whose checkpoints have no HF form to export to."""
         import ray
 
         from ray_jax_train.storage import local_dir_for
@@ -700,13 +722,15 @@ class RunOutputs:
                     ray.get(tokenizer_ref).save_pretrained(staging)
                 with open(os.path.join(staging, "config.json"), "w") as f:
                     json.dump(model_config.to_hf_dict(), f, indent=2)
+                _write_generation_config(staging, generation_config)
                 for name in os.listdir(staging):
                     os.replace(os.path.join(staging, name), os.path.join(local, name))
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def save_final_model(self, model, tokenizer_ref, rank0: bool) -> None:
-        """HF safetensors and the tokenizer. Every process calls it (gathering sharded params is collective)."""
+    def save_final_model(self, model, tokenizer_ref, rank0: bool, generation_config: Optional[str] = None) -> None:
+        """HF safetensors, the tokenizer and the generation config. Every process calls it (gathering sharded
+        params is collective)."""
         import ray
 
         from ray_jax_train.models import save_pretrained
@@ -720,6 +744,13 @@ class RunOutputs:
             save_pretrained(model, local)
             if tokenizer_ref is not None:
                 ray.get(tokenizer_ref).save_pretrained(local)
+            _write_generation_config(local, generation_config)
+
+
+def _write_generation_config(directory: str, text: Optional[str]) -> None:
+    if text is not None:
+        with open(os.path.join(directory, GENERATION_CONFIG), "w") as f:
+            f.write(text)
 
 
 def _loop_mesh(args):

@@ -74,6 +74,26 @@ def abstract_state(config: LlamaConfig, mesh, new_state_fn):
     return with_shardings(tree, state_shardings(tree, mesh))
 
 
+def fresh_hyperparameters(abstract, new_state_fn):
+    """A new state's optimizer hyperparameters (an `inject_hyperparams` state's `hyperparams`), or None.
+
+    What a resume keeps from this run's config, without building the params it would throw away (a Hugging
+    Face model read from disk, for one): the program makes zero params, but only the scalars leave it, so XLA
+    drops the rest. Placed as `abstract` (from `abstract_state`) places them.
+    """
+    import jax.numpy as jnp
+
+    hyperparams = getattr(abstract["opt_state"], "hyperparams", None)
+    if hyperparams is None:
+        return None
+
+    def make():
+        params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract["params"])
+        return new_state_fn(params, 0)["opt_state"].hyperparams
+
+    return jax.jit(make, out_shardings=jax.tree.map(lambda a: a.sharding, hyperparams))()
+
+
 def init_params(config: LlamaConfig, mesh):
     """A new model's parameters, born in their shardings (no host copy), equal to ``create_model(config)``'s.
 
