@@ -226,8 +226,8 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
                                                  "profile_start_step": 3}), packed_rows(4))
     with pytest.raises(ValueError, match="profile_start_step=2 is after the last step"):
         TrainingArguments(total_steps=1, profile_start_step=2)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere")).train(1, args, sentences(10))
+    with pytest.raises(FileNotFoundError, match="checkpoint_path: .*nowhere does not exist: give a Hugging Face"):
+        make_trainer(tokenizer_dir, checkpoint_path=str(tmp_path / "nowhere"))  # the constructor: before Ray starts
     with pytest.raises(ValueError, match="1 rows .* fewer than the 2 workers"):  # equal split: 0 rows each
         trainer.train(1, args.model_copy(update={"num_workers": 2}), packed_rows(), dataset_eval=packed_rows()[:1])
     with pytest.raises(ValueError, match="qwen2.*save_final_model=False"):  # refused before training, not after

@@ -194,11 +194,29 @@ def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path):
     run_dir, tokenizer = run
     same = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    check_resumed_model(run_dir, same)  # the run's own model resumes
-    check_resumed_model(run_dir, same.replace(rope_theta=500.0))  # shapes alike: the restore decides, not this
-    check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64))  # nothing to resume from
+    latest = _checkpoints(run_dir)[-1]
+    assert check_resumed_model(run_dir, same) == latest  # the run's own model resumes
+    assert check_resumed_model(run_dir, same.replace(rope_theta=500.0)) == latest  # shapes alike: the restore decides
+    assert check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64)) is None  # a new run
     with pytest.raises(ConfigError, match=r"hidden_size 32 -> 64; intermediate_size 64 -> 96.*--set run.name"):
         check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))
+
+
+def test_a_fit_under_a_used_name_says_it_resumes_and_when_nothing_is_left(run, capsys):
+    """It resumed without a word on the driver and, at or past total_steps, 'finished' at once with exit 0 and the
+    earlier run's numbers (a user had changed the data and kept the name)."""
+    from ray_jax_train.cli import _say_it_resumes
+    from ray_jax_train.run_config import checkpoint_step
+
+    latest = _checkpoints(run[0])[-1]
+    assert checkpoint_step(latest) == 4 and checkpoint_step(None) is None
+    _say_it_resumes({"name": "export", "resumes_from": latest, "resumes_at": 4, "total_steps": 10})
+    out, err = capsys.readouterr()
+    assert "run export exists: it resumes from its checkpoint at step 4" in out and not err
+    _say_it_resumes({"name": "export", "resumes_from": latest, "resumes_at": 4, "total_steps": 4})
+    assert "at step 4 already, at or past training.total_steps=4: nothing is left to train" in capsys.readouterr().err
+    _say_it_resumes({"name": "new", "resumes_from": None, "resumes_at": None, "total_steps": 4})
+    assert capsys.readouterr() == ("", "")
 
 
 def test_a_run_from_a_hugging_face_model_keeps_its_generation_config(tmp_path):

@@ -125,6 +125,10 @@ class RayDistributedTrainer:
         self.config_scaling_variables = dict(config_scaling_variables) if config_scaling_variables else None
         self.config_variables = dict(config_variables or {})
         self.checkpoint_path = checkpoint_path if checkpoint_path is not None else bucket_path
+        path = os.fspath(self.checkpoint_path) if self.checkpoint_path is not None else None
+        if path is not None and "://" not in path and not os.path.exists(path):  # a typo: said before Ray starts
+            raise FileNotFoundError(f"checkpoint_path: {path} does not exist: give a Hugging Face model directory or "
+                                    "a checkpoint directory (<run>/checkpoint_...) to start from.")
         self._tokenizer = tokenizer
         self.scaling = self._build_scaling()
         self.last_result = None

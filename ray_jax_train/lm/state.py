@@ -335,7 +335,8 @@ def weights_dir_kind(path: str) -> str:
     and names the checkpoint that was probably meant.
     """
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint_path {path} does not exist.")
+        raise FileNotFoundError(f"{path} does not exist: give a Hugging Face model directory or a checkpoint "
+                                "directory (<run>/checkpoint_...) to start from.")
     if is_hf_model_dir(path):
         return "hf"
     if os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
