@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -333,6 +334,19 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
     datasets, _, total = prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4}),
                                              materialize=True)
     assert total == 10 and datasets["train"].count() == len(rows)
+    # Tokenised in the source's order, whatever task finishes first (the first block is the slowest here): two runs
+    # of one config, or two Tune trials, trained on differently ordered batches.
+    import ray.data
+
+    def slow_first(batch):
+        time.sleep(1.5 if batch["id"][0] == 0 else 0.0)
+        out = {k: np.stack([rows[i % len(rows)][k] for i in batch["id"]]) for k in rows[0]}
+        out["input_ids"][:, 0] = batch["id"]  # each row says where it came from
+        return out
+
+    ordered = ray.data.range(4 * len(rows), override_num_blocks=4).map_batches(slow_first, batch_format="numpy")
+    made, _, _ = prepare_lm_datasets(ordered, None, None, args.model_copy(update={"batch_size": 4}), materialize=True)
+    assert [int(row["input_ids"][0]) for row in made["train"].take_all()] == list(range(4 * len(rows)))
     # eval_steps with no eval data evaluated nothing, without a word.
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.data"):
         prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4, "eval_steps": 2}),

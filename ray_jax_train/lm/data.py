@@ -98,10 +98,10 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
         if eval_columns != columns:
             raise ValueError(f"{names[1]} feeds columns {eval_columns}, {names[0]} {columns}; they must match.")
     if materialize or args.total_steps is None or _too_few_cpus(args):
-        datasets = {name: ds.materialize() for name, ds in datasets.items()}
+        datasets = {name: _in_order(ds) for name, ds in datasets.items()}
     elif "eval" in datasets:
         # Eval runs again and again over the same few rows: tokenise them once (and count them, below).
-        datasets["eval"] = datasets["eval"].materialize()
+        datasets["eval"] = _in_order(datasets["eval"])
     if args.total_steps is None:
         total_steps = args.steps_for_rows(datasets["train"].count())
     else:
@@ -190,6 +190,13 @@ def _check_every_row(dataset, vocab_size: int, what: str):
                             zero_copy_batch=True).count()
         return dataset
     return dataset.map_batches(check, batch_format="numpy", zero_copy_batch=True)
+
+
+def _in_order(dataset):
+    """`dataset` tokenised now, its rows in the source's order whatever task finished first: two runs of one config
+    (Tune trials, a rerun) then see the same batches, and differ only in what their settings change."""
+    dataset.context.execution_options.preserve_order = True  # the dataset's own copy of Ray Data's context
+    return dataset.materialize()
 
 
 def _flat(column) -> "np.ndarray":
