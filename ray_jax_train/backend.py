@@ -791,3 +791,5 @@ class _JaxBackend(Backend):
             ray.get(futures, timeout=backend_config.shutdown_timeout_s + 5)
         except ray.exceptions.GetTimeoutError:
             logger.warning("jax.distributed shutdown timed out; a worker may be hung or dead.")
+        except ray.exceptions.RayActorError as exc:  # already dead (an abort, Ctrl-C, a lost owner): nothing to end
+            logger.debug("jax.distributed shutdown skipped: a worker is gone (%s)", exc)

@@ -61,8 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--resume-errored", action="store_true",
                       help="with --resume, also run failed trials again from their latest checkpoints")
     plot = sub.add_parser("plot", parents=[common], help="write PNG curves of loss, learning rate and tokens/s")
-    plot.add_argument("run_dir", help="a run directory (<storage_path>/<run name>) with metrics.jsonl")
-    plot.add_argument("-o", "--output", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    plot.add_argument("run_dir", help="a run directory (<storage_path>/<run name>) with metrics.jsonl, or a Tune "
+                                      "search directory (its trials' losses on shared axes)")
+    plot.add_argument("-o", "--output", default=None,
+                      help="PNG path (default: RUN_DIR/curves.png; a search's RUN_DIR/trials.png)")
     plot.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1) (default 0.6)")
     gen = sub.add_parser("generate", parents=[common], help="complete a prompt with a saved model (no Ray)")
     gen.add_argument("model_dir", help="a run directory (its final_model/ is used) or a Hugging Face model directory "
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                              "checkpoint, else the run's model/; needed for checkpoints from before either was)")
     export.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's model/)")
     export.add_argument("--dtype", default=None, help="cast the weights, e.g. bfloat16 (default: as trained)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="write into OUT_DIR even if it holds files (default: refuse, so no model is replaced)")
     config = sub.add_parser("config", parents=[common], help="show or validate a config")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     config_sub.required = True
@@ -126,6 +130,9 @@ def _connect(config, address: Optional[str], verbose: bool):
     kwargs = dict(logging_level=logging.INFO if verbose else logging.ERROR, log_to_driver=True)
     if not address or address == "local":
         need = config.scaling.num_workers * (config.scaling.cpus_per_worker or 1)
+        warning = _more_cpus_than_cores(need, os.cpu_count() or 1)
+        if warning:  # the private Ray is sized to fit the workers, so nothing else would say so
+            print(f"ray-jax-train: warning: {warning}", file=sys.stderr, flush=True)
         env = {} if verbose else dict(QUIET_ENV)
         # Logical CPUs beyond the workers' leave room for Ray Data on a small machine.
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
@@ -142,6 +149,14 @@ def _connect(config, address: Optional[str], verbose: bool):
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray
+
+
+def _more_cpus_than_cores(need: float, cores: int) -> Optional[str]:
+    if need <= cores:
+        return None
+    return (f"the workers ask for {need:g} CPUs in all (scaling.num_workers x scaling.cpus_per_worker), and this "
+            f"machine has {cores} cores: they share them, each slower. On a cluster, pass --address (or run.address) "
+            "to use its nodes.")
 
 
 @contextlib.contextmanager
@@ -246,9 +261,13 @@ def cmd_fit(args) -> int:
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     started = time.time()
+    import ray.exceptions
+
     try:
         trainer, info = build_trainer(config, quiet=not args.verbose)
-    except (ValueError, OSError) as exc:  # data, sizes or storage the driver can see are wrong: a config problem
+    # Data, sizes or storage the driver can see are wrong: a config problem. A bad row past the first ones that the
+    # driver checks itself fails in a Ray Data task while the data is tokenised, and is one all the same.
+    except (ValueError, OSError, ray.exceptions.RayTaskError) as exc:
         if args.verbose:
             import traceback
 
@@ -260,6 +279,7 @@ def cmd_fit(args) -> int:
         raise ConfigError(read_error(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
+    _say_it_resumes(info)
     _warn_if_in_ray_package_cache(info["run_dir"])
     said = {"resume": False}
     try:
@@ -363,7 +383,7 @@ def cmd_tune(args) -> int:
     check_data_columns(config)
     resume = args.resume or args.resume_errored
     if resume:
-        tune.can_resume(config)  # a changed config is refused before Ray starts
+        tune.can_resume(config, warn=False)  # a changed config is refused before Ray starts; tune.run warns
     _connect(config, args.address, args.verbose)
     _warn_if_in_ray_package_cache(config.with_absolute_paths().run.storage_path)
     started = time.time()
@@ -388,18 +408,37 @@ def cmd_tune(args) -> int:
     print(f"trials:      {len(grid)} ({sum(1 for r in grid if r.error)} failed; {took})")
     for line in _trial_lines(grid, outcome, config.training.get("total_steps")):
         print(line)
+    print(f"trial runs:  {outcome.experiment_dir}-<trial id> (each trial's Train run: metrics.jsonl, checkpoints)")
     print(f"best {outcome.metric}:  {outcome.best_metrics[outcome.metric]:.4f} with "
           + ", ".join(f"{k}={_get(outcome.best_config, k)}" for k in outcome.searched))
+    if outcome.warning:
+        print(f"warning:     {outcome.warning}")
     print(f"best run:    {outcome.best_run_dir}")
-    print(f"checkpoint:  {outcome.best_checkpoint or 'none (set training.save_steps)'}")
+    print(f"checkpoint:  {outcome.best_checkpoint or f'none ({outcome.no_checkpoint_reason()})'}")
     print(f"summary:     {os.path.join(outcome.experiment_dir, 'best.json')} "
           "(ray_jax_train.tune.restore_best(DIR) loads the best parameters)")
+    print(f"best config: {os.path.join(outcome.experiment_dir, tune.BEST_CONFIG)} (`ray-jax-train fit` trains it)")
     return EXIT_OK
 
 
+def _say_it_resumes(info) -> None:
+    """A run name used before resumes that run (run.resume_if_possible): said on the driver, and loudly where the
+    checkpoint leaves nothing to train, which would otherwise 'finish' at once with the old run's numbers."""
+    at, total = info.get("resumes_at"), info["total_steps"]
+    if info.get("resumes_from") is None:
+        return
+    where = f"its checkpoint at step {at}" if at is not None else info["resumes_from"]
+    print(f"[ray-jax-train] run {info['name']} exists: it resumes from {where} (a new run needs another "
+          "run.name, or training.resume_if_possible false to start it over)", flush=True)
+    if at is not None and at >= total:
+        print(f"ray-jax-train: warning: run {info['name']} is at step {at} already, at or past training.total_steps="
+              f"{total}: nothing is left to train. Raise training.total_steps to train it on, or give a new "
+              "run.name.", file=sys.stderr, flush=True)
+
+
 def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
-    """One line per trial: its searched values, last step and metric, and how it ended (finished, stopped early
-    by the scheduler, or failed, with the error)."""
+    """One line per trial: its id (its Train run is <search dir>-<id>), searched values, last step and metric, and
+    how it ended (finished, stopped early by the scheduler, or failed, with the error)."""
     def searched(result, dotted: str, default=None):  # Tune's trial config is nested: {"training": {...}}
         section, key = dotted.split(".", 1)
         return ((result.config or {}).get(section) or {}).get(key, default)
@@ -419,7 +458,9 @@ def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
         shown = f"{outcome.metric} {value:.4f}" if isinstance(value, (int, float)) else f"no {outcome.metric}"
         at = f"step {step}/{total}" if step is not None and total else f"step {step}" if step is not None else ""
         best = "  <- best" if metrics.get("trial_id") == outcome.best_metrics.get("trial_id") else ""
-        lines.append(f"  {values}: {shown}, {at}, {ended}{best}".replace(", , ", ", "))
+        # A trial that failed before its first report has no trial_id there; its Tune directory is trial_<id>_...
+        trial_id = metrics.get("trial_id") or "_".join(os.path.basename(result.path or "").split("_")[1:3])
+        lines.append(f"  {trial_id}  {values}: {shown}, {at}, {ended}{best}".replace(", , ", ", "))
     return lines
 
 
@@ -435,12 +476,15 @@ def _get(config, dotted: str):
 
 
 def cmd_plot(args) -> int:
-    from ray_jax_train.plot import plot_run
+    from ray_jax_train.plot import is_search_dir, plot_run, plot_search
 
     if not 0 <= args.smoothing < 1:
         raise UsageError(f"--smoothing {args.smoothing}: must be in [0, 1)")
     try:
-        path = plot_run(args.run_dir, args.output, smoothing=args.smoothing)
+        if is_search_dir(args.run_dir):  # a Tune search: its trials' losses together
+            path = plot_search(args.run_dir, args.output, smoothing=args.smoothing)
+        else:
+            path = plot_run(args.run_dir, args.output, smoothing=args.smoothing)
     except ValueError as exc:  # e.g. a run with no records yet: a message, not a traceback and "training failed"
         raise UsageError(str(exc)) from None
     print(path)
@@ -484,8 +528,8 @@ def cmd_export(args) -> int:
 
     try:
         out = export_checkpoint(args.source, args.out_dir, model_config=args.model_config, tokenizer=args.tokenizer,
-                                dtype=args.dtype)
-    except ValueError as exc:  # a checkpoint of another model, a bad config.json or dtype: a message, no traceback
+                                dtype=args.dtype, overwrite=args.overwrite)
+    except (ValueError, FileExistsError) as exc:  # a checkpoint of another model, a bad config.json or dtype: a message, no traceback
         raise UsageError(str(exc)) from None
     except CheckpointCorruptError as exc:
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)

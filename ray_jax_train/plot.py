@@ -2,6 +2,7 @@
 
 `plot_run` draws one panel per metric (loss with eval loss, learning rate, tokens/s), raw points faint and an
 exponential moving average on top, so a noisy tiny run still shows its trend, and marks where the run resumed.
+`plot_search` draws a Tune search's trials on shared axes.
 Matplotlib's Agg backend: no display needed (clusters, CI).
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 from ray.train.v2.api.callback import UserCallback
 
-__all__ = ["PANELS", "MetricsFileCallback", "TensorBoardCallback", "draw_curves", "plot_run", "read_records",
-           "smooth"]
+__all__ = ["PANELS", "MetricsFileCallback", "TensorBoardCallback", "draw_curves", "is_search_dir", "plot_run",
+           "plot_search", "read_records", "search_trials", "smooth"]
 
 # (metric keys drawn together, panel title, y label, log scale)
 PANELS = (
@@ -111,6 +112,80 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
         fig.savefig(output, dpi=110)
     import matplotlib.pyplot as plt  # after draw_curves chose the Agg backend
 
+    plt.close(fig)
+    return output
+
+
+def is_search_dir(path: str) -> bool:
+    """A Tune search's directory (`<storage>/<search name>`): it holds `search_config.json` or `best.json`."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("search_config.json", "best.json"))
+
+
+def search_trials(search_dir: str) -> List[Dict]:
+    """[{"trial_id", "label", "run_dir", "best"}] of a local search directory, in trial order.
+
+    Tune keeps a trial's state in `<search>/trial_<id>_<n>_<searched values>_<date>/`, its Train run (our
+    metrics.jsonl) is `<search>-<id>` beside the search directory: the label comes from the one, the curve from the
+    other.
+    """
+    import re
+
+    search_dir = os.path.normpath(search_dir)
+    best_run = None
+    try:
+        with open(os.path.join(search_dir, "best.json")) as f:
+            best_run = os.path.normpath(json.load(f).get("run_dir") or "")
+    except (OSError, ValueError, AttributeError):
+        pass
+    trials = []
+    for name in sorted(os.listdir(search_dir)):
+        match = re.match(r"trial_([0-9a-f]+_\d+)_(\d+)_(.*?)(?:_\d{4}-\d{2}-\d{2}_[\d-]+)?$", name)
+        if not match or not os.path.isdir(os.path.join(search_dir, name)):
+            continue
+        trial_id, number, values = match.groups()
+        run_dir = f"{search_dir}-{trial_id}"
+        trials.append({"trial_id": trial_id, "number": int(number), "label": values or trial_id,
+                       "run_dir": run_dir, "best": run_dir == best_run})
+    return sorted(trials, key=lambda t: t["number"])
+
+
+def plot_search(search_dir: str, output: Optional[str] = None, smoothing: float = 0.6) -> str:
+    """Write a PNG of every trial's loss on shared axes (default `<search_dir>/trials.png`) and return its path:
+    the one picture a search is run for. Local directories only (Tune's trial names are listed from disk)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = [t for t in search_trials(search_dir) if os.path.isfile(os.path.join(t["run_dir"], "metrics.jsonl"))]
+    if not trials:
+        raise ValueError(f"{search_dir}: a Tune search directory, but no trial has logged a metrics.jsonl yet (each "
+                         f"trial's run is {os.path.normpath(search_dir)}-<trial id>)")
+    runs = [(t, read_records(t["run_dir"])) for t in trials]
+    with_eval = any("eval_loss" in r for _, records in runs for r in records)
+    keys = ("loss", "eval_loss") if with_eval else ("loss",)
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.4 * len(keys), 4.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        smoothed = False
+        for i, (trial, records) in enumerate(runs):
+            points = [(r["step"], r[key]) for r in records if key in r and _finite(r[key])]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            if key == "loss" and len(points) >= _MIN_SMOOTHED and smoothing:
+                values, smoothed = smooth(values, smoothing), True
+            label = trial["label"] + ("  (best)" if trial["best"] else "")
+            ax.plot(steps, values, "-" if len(points) >= 60 else "o-", color=f"C{i % 10}", markersize=3,
+                    linewidth=2.6 if trial["best"] else 1.3, label=label)
+        ax.set_title(_LABELS[key] + (f" (EMA {smoothing:g})" if smoothed else ""))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize=7)
+    fig.suptitle(f"{os.path.basename(os.path.normpath(search_dir))}: {len(runs)} trials", fontsize=11)
+    fig.tight_layout()
+    output = output or os.path.join(search_dir, "trials.png")
+    fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
 

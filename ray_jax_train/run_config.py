@@ -884,6 +884,9 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
     return texts
 
 
+_RAISED_LINE = re.compile(r"^((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+
 def read_error(exc: BaseException) -> str:
     """What went wrong in a Ray Data task (reading or tokenising), without Ray's traceback around it: its last line
     names the cause. A file that does not parse as its extension says gets the formats named."""
@@ -893,6 +896,12 @@ def read_error(exc: BaseException) -> str:
         return str(exc)
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     cause = lines[-1] if lines else type(exc).__name__
+    # A map UDF's error comes wrapped in Ray Data's UserCodeException, whose last lines are its retry advice: the
+    # user's error is the last raised line that is not Ray's own.
+    raised = [m.group(2) for m in map(_RAISED_LINE.match, lines)
+              if m and not any(ray_own in m.group(1) for ray_own in ("UserCodeException", "RayTaskError"))]
+    if raised:
+        cause = raised[-1]
     if any(word in cause for word in ("decode", "Decode", "JSON", "parse", "Parse", "ArrowInvalid")):
         cause += (". Check that every file is UTF-8 text (.txt: one document per line), JSON lines (.jsonl: one JSON "
                   "object per line), Parquet or CSV, as its extension says")
@@ -904,29 +913,28 @@ _STATE_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
                      "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
 
 
-def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> None:
+def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> Optional[str]:
     """A run that will resume from its latest checkpoint must build the model that checkpoint holds: said here, on
-    the driver, from the model config the checkpoint records, instead of by the workers once the state is built."""
+    the driver, from the model config the checkpoint records, instead of by the workers once the state is built.
+    Returns that checkpoint (None for a new run), so the driver can say the run resumes."""
     from ray_jax_train.lm.export import _checkpoint_hf_config, _resolve
     from ray_jax_train.storage import exists
 
-    if model_config.hf_export_problem():
-        return  # nothing comparable was recorded with such a model
     export_log = logging.getLogger("ray_jax_train.lm.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice is about an export, not this resume
     try:
         if exists(join(run_dir, "best.json")):
-            return  # a Tune search's directory under this name: no run resumes from it
+            return None  # a Tune search's directory under this name: no run resumes from it
         checkpoint, _ = _resolve(run_dir)
-        saved = _checkpoint_hf_config(checkpoint)
+        saved = None if model_config.hf_export_problem() else _checkpoint_hf_config(checkpoint)
     except Exception as exc:  # noqa: BLE001 - a new run, or nothing readable to resume from: the workers decide
         logging.getLogger(__name__).debug("No resume check against %s: %s", run_dir, exc)
-        return
+        return None
     finally:
         export_log.setLevel(level)
     if not isinstance(saved, dict):
-        return  # a checkpoint from before configs were recorded: the restore still compares the arrays
+        return checkpoint  # a checkpoint from before configs were recorded: the restore still compares the arrays
     now = model_config.to_hf_dict()
     changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in _STATE_SHAPE_KEYS
                if k in saved and saved.get(k) != now.get(k)]
@@ -936,6 +944,13 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> None:
             f"({'; '.join(changed)}), so the checkpoint cannot be restored. Resume with the model (and tokenizer) "
             "settings the run started with, or start a fresh run under another name (--set run.name=...; in "
             "Python, RunConfig(name=...)), optionally from that checkpoint as model.init_from.")
+    return checkpoint
+
+
+def checkpoint_step(checkpoint: Optional[str]) -> Optional[int]:
+    """The step in a checkpoint directory's name (`checkpoint_000000040_7e4178fe`), or None."""
+    match = re.search(r"checkpoint_(\d+)_[0-9a-f]+/?$", checkpoint or "")
+    return int(match.group(1)) if match else None
 
 
 def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:
@@ -1178,8 +1193,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
             raise ConfigError(f"model/scaling: {exc}") from None
     init = state_lib.init_spec(checkpoint_path=config.model.init_from)
     check_hf_init_dir(config, model_config)
-    if args.resume_if_possible:
-        check_resumed_model(run_dir, model_config)
+    resumes_from = check_resumed_model(run_dir, model_config) if args.resume_if_possible else None
 
     train_source, eval_source = _datasets(config)
     datasets, columns, total_steps = prepare_lm_datasets(
@@ -1210,17 +1224,20 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         datasets=datasets,
     )
     info = {"name": name, "storage_path": storage, "run_dir": run_dir, "total_steps": total_steps,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "resumes_from": resumes_from, "resumes_at": checkpoint_step(resumes_from)}
     return trainer, info
 
 
-def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = None) -> None:
+def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = None,
+                       concurrent_trials: int = 1) -> None:
     """Fail now, not after minutes of 'pending' scheduling, when the cluster can never place the workers.
 
     Counts how many workers each alive node can hold (all resources of one worker on one node, as Ray
     places them) against `num_workers`. A Tune trial (`trial_cpus`) also holds CPUs of one node for its own
-    process, beside its workers: without counting them, a trial that fitted `fit` waited for ever. An autoscaling
-    cluster grows later: set scaling.check_resources false.
+    process, beside its workers: without counting them, a trial that fitted `fit` waited for ever. Tune starts up
+    to `concurrent_trials` trial processes before any trial's workers are placed, and each holds its CPUs while it
+    waits: when together they leave no room for one trial's workers, every trial waits on the others for ever. An
+    autoscaling cluster grows later: set scaling.check_resources false.
     """
     import ray
 
@@ -1241,16 +1258,35 @@ def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = No
             return max(slots, default=0)
         return sum(slots)
 
-    room = placeable(nodes)
-    if trial_cpus is not None:  # the trial's process goes to whichever node leaves the most room
-        homes = [i for i, have in enumerate(nodes) if units(have.get("CPU", 0.0)) >= units(trial_cpus)]
-        room = max((placeable([{**have, "CPU": (units(have.get("CPU", 0.0)) - units(trial_cpus)) / 10000}
-                               if i == home else have
-                               for i, have in enumerate(nodes)]) for home in homes), default=-1)
-        if room < 0:
+    def holding(nodes, home: int):  # the nodes once a trial's process holds its CPUs on node `home`
+        return [{**have, "CPU": (units(have.get("CPU", 0.0)) - units(trial_cpus)) / 10000} if i == home else have
+                for i, have in enumerate(nodes)]
+
+    room, started = placeable(nodes), 0
+    if trial_cpus is not None:  # each trial's process goes to whichever node leaves the most room
+        held = nodes
+        while started < max(concurrent_trials, 1):
+            homes = [i for i, have in enumerate(held) if units(have.get("CPU", 0.0)) >= units(trial_cpus)]
+            if not homes:  # the other trials wait for a trial to end, not on each other
+                break
+            held = max((holding(held, home) for home in homes), key=placeable)
+            started += 1
+            room = placeable(held)
+            if room < scaling.num_workers:
+                break
+        if started == 0:
             raise ConfigError(f"tune.trial_cpus={trial_cpus:g} can never be placed: no node of this cluster has "
                               f"{trial_cpus:g} CPUs. Lower tune.trial_cpus (the trial's process only waits on its "
                               "workers; the default is 0.1).")
+    if room < scaling.num_workers and started > 1:
+        raise ConfigError(
+            f"tune.max_concurrent_trials: {concurrent_trials} trials may start at once (tune.max_concurrent_trials, "
+            "or every trial of the search without it), and each trial's own process holds "
+            f"tune.trial_cpus={trial_cpus:g} CPU while it waits for its workers; with {started} of them started, no "
+            f"trial's {scaling.num_workers} worker(s) ({', '.join(f'{k}={v:g}' for k, v in need.items())} each) fit "
+            "any more, and the search would hang, every trial waiting for CPUs the others hold. Set "
+            f"tune.max_concurrent_trials to {started - 1}{' or less' if started > 2 else ''}, or lower "
+            "scaling.cpus_per_worker (or tune.trial_cpus).")
     if room < scaling.num_workers:
         total = ray.cluster_resources()
         have = ", ".join(f"{k}={total.get(k, 0):g}" for k in need)

@@ -4,7 +4,8 @@ Train V2 style: the trial function builds the trainer and calls `fit()` with `Tu
 RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Schedulers measure time in optimizer steps
 (the `step` every report carries), so ASHA's `grace_period` / `max_t` are steps and a finished trial is never
 cut off before its last checkpoint. The tokenizer is trained once on the driver and shared, so trials differ
-only in what the param space changes. The best trial is written to `<storage>/<search name>/best.json`.
+only in what the param space changes. The best trial is written to `<storage>/<search name>/best.json`, and its
+config, which `ray-jax-train fit` reads, to `best_config.json` beside it.
 
 An interrupted search (Ctrl-C, a killed driver, a lost head node) continues with `run(..., resume=True)`
 (`ray-jax-train tune --resume`): Tune's `Tuner.restore` keeps the finished trials, and each unfinished one runs
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # The effective config a search started with, in its directory: a resume must be the same search.
 SEARCH_CONFIG = "search_config.json"
+# The best trial's effective config without the tune section, beside best.json: a config `fit` reads.
+BEST_CONFIG = "best_config.json"
 
 
 class SearchInterrupted(RuntimeError):
@@ -83,19 +86,30 @@ class TuneOutcome:
     results: Any  # ray.tune.ResultGrid
     best_config: ExperimentConfig
     best_metrics: Dict[str, Any]
-    best_checkpoint: Optional[str]  # the best trial's last Train checkpoint (None without training.save_steps)
+    best_checkpoint: Optional[str]  # the best trial's latest Train checkpoint (None: see no_checkpoint_reason)
     best_run_dir: str  # the best trial's Train run directory: metrics.jsonl, final_model/
     tokenizer_path: str
     metric: str
     mode: str
     searched: Sequence[str] = ()  # the param-space keys
     experiment_dir: str = ""  # <storage>/<search name>: Tune's state, best.json, the shared tokenizer
+    warning: Optional[str] = None  # why the best trial is a weak pick (no trial trained to the end)
+
+    def no_checkpoint_reason(self) -> str:
+        """Why the best trial has no checkpoint, from its config and last step (not always a missing save_steps)."""
+        save_steps = self.best_config.training_arguments().save_steps
+        step = self.best_metrics.get("step")
+        if not save_steps:
+            return "training.save_steps is not set; set it to keep checkpoints"
+        if isinstance(step, int) and step < save_steps:
+            return f"it ended at step {step}, before its first save at step {save_steps} (training.save_steps)"
+        return f"its reports to Tune named none; look for checkpoint_* in {self.best_run_dir}"
 
     def restore_best_params(self):
         """The best trial's parameters, restored from its checkpoint onto this process's devices."""
         if self.best_checkpoint is None:
-            raise FileNotFoundError("The best trial saved no checkpoint; set training.save_steps to keep one "
-                                    f"(its final_model/ is in {self.best_run_dir}).")
+            raise FileNotFoundError(f"The best trial has no checkpoint to restore: {self.no_checkpoint_reason()} "
+                                    f"(its run directory: {self.best_run_dir}).")
         from ray_jax_train.lm.state import restore_params
         from ray_jax_train.mesh import make_mesh
         from ray_jax_train.text import load_tokenizer
@@ -140,11 +154,12 @@ def search_name(config: ExperimentConfig) -> str:
     return config.tune.name or f"tune-{config.run_name()}"
 
 
-def can_resume(config: ExperimentConfig) -> bool:
+def can_resume(config: ExperimentConfig, *, warn: bool = True) -> bool:
     """Whether the search `config` describes was started before and can continue; said before Ray starts.
 
     ConfigError when the search has no stable name to find it by, or was started with another config: resuming
-    it would add trials of one search to the results of another.
+    it would add trials of one search to the results of another. `warn`: log the keys that changed and may (the
+    CLI checks with warn=False before it starts Ray, and `run` checks again: said once).
     """
     from ray.tune import Tuner
 
@@ -164,7 +179,7 @@ def can_resume(config: ExperimentConfig) -> bool:
         return True
     changed = _differences(started, _comparable(config))
     moved = [key for key, _, _ in changed if key.startswith(_MAY_CHANGE_ON_RESUME)]
-    if moved:
+    if moved and warn:
         logger.warning("Resuming the search in %s with other %s than it started with: the trials still to run use "
                        "the new ones.", experiment_dir, ", ".join(moved))
     changed = [c for c in changed if c[0] not in moved]
@@ -245,6 +260,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
     import ray
 
     base = search_config(config, overrides=overrides, param_space=param_space, num_samples=num_samples)
+    resuming = (resume or resume_errored) and can_resume(base)  # a changed config is refused before Ray starts
     if not ray.is_initialized():  # as the CLI starts it: room for the workers, quiet workers on a private Ray
         from ray_jax_train.quiet import QUIET_ENV
         from ray_jax_train.trainer import init_ray
@@ -255,18 +271,23 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
                  **({"runtime_env": {"env_vars": dict(QUIET_ENV)}} if quiet and private else {}))
     undo_filter = filter_worker_notices() if quiet else None
     try:
-        return _run(base, quiet=quiet, resume=resume, resume_errored=resume_errored)
+        return _run(base, quiet=quiet, resume=resume, resume_errored=resume_errored, resuming=resuming)
     finally:
         if undo_filter is not None:
             undo_filter()
 
 
-def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: bool) -> TuneOutcome:
+def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: bool, resuming: bool) -> TuneOutcome:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
     tune_cfg = base.tune
-    check_cluster_fits(base.scaling, trial_cpus=base.tune.trial_cpus)
+    total_steps = base.training_arguments().total_steps  # ExperimentConfig.check refused ASHA without it or max_t
+    expected = tune_cfg.num_samples * math.prod(len(spec["grid_search"]) for spec in tune_cfg.param_space.values()
+                                                if isinstance(spec, dict) and "grid_search" in spec)
+    # Without max_concurrent_trials, Tune may start every trial's process at once.
+    check_cluster_fits(base.scaling, trial_cpus=tune_cfg.trial_cpus,
+                       concurrent_trials=min(tune_cfg.max_concurrent_trials or expected, expected))
     random = [k for k, v in tune_cfg.param_space.items() if isinstance(v, dict) and "grid_search" not in v]
     if tune_cfg.num_samples > 1 and not random:
         logger.warning("tune.num_samples=%d repeats every grid point, but nothing in the search is random, so the "
@@ -275,7 +296,6 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
                        tune_cfg.num_samples)
     name, storage = search_name(base), base.run.storage_path
     experiment_dir = join(storage, name)
-    resuming = (resume or resume_errored) and can_resume(base)
     if resuming:
         logger.warning("Resuming the search in %s: finished trials are kept, unfinished ones continue from their "
                        "latest checkpoints%s.", experiment_dir, ", errored ones too" if resume_errored else "")
@@ -332,13 +352,12 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         with local_dir_for(experiment_dir) as local:  # a URI too: written locally, copied up
             with open(os.path.join(local, SEARCH_CONFIG), "w") as f:
                 json.dump(_comparable(base), f, indent=2)
-        args = base.training_arguments()  # ExperimentConfig.check has refused ASHA without max_t or total_steps
         tuner = tune.Tuner(
             trainable,
             param_space=search_space(tune_cfg.param_space),
             tune_config=tune.TuneConfig(metric=tune_cfg.metric, mode=tune_cfg.mode, num_samples=tune_cfg.num_samples,
                                         max_concurrent_trials=tune_cfg.max_concurrent_trials,
-                                        scheduler=_scheduler(tune_cfg, trial_lengths(args.total_steps,
+                                        scheduler=_scheduler(tune_cfg, trial_lengths(total_steps,
                                                                                     tune_cfg.param_space)[0])),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
         )
@@ -347,8 +366,6 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     # schedulers skip such reports anyway. The metric's name was checked on the driver (parse_config).
     with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
         results = tuner.fit()
-    expected = tune_cfg.num_samples * math.prod(len(spec["grid_search"]) for spec in tune_cfg.param_space.values()
-                                                if isinstance(spec, dict) and "grid_search" in spec)
     unfinished = _unfinished_trials(experiment_dir, expected)
     if unfinished:
         # Tune catches Ctrl-C itself and returns what it has: the best of half-trained trials is no result.
@@ -356,32 +373,43 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
                                 "trials unfinished; its state is saved, and resume=True (`ray-jax-train tune CONFIG "
                                 "--resume`) continues it.")
     errors = [r.error for r in results if r.error is not None]
-    best = best_result(results, tune_cfg.metric, tune_cfg.mode)
+    best = best_result(results, tune_cfg.metric, tune_cfg.mode, total_steps)
     if best is None:
         detail = f" First error: {errors[0]}" if errors else ""
         raise RuntimeError(f"No trial finished with a finite {tune_cfg.metric!r}; {len(errors)} of {len(results)} "
                            f"failed.{detail}")
+    warning = None
+    if not trained_to_end(best, total_steps):
+        warning = (f"no trial trained to the end; this is the best of those the scheduler stopped early (at step "
+                   f"{best.metrics.get('step')} of {_trial_total_steps(best, total_steps)})")
+        if errors:
+            warning += (f", and {len(errors)} failed: `tune --resume-errored` (resume_errored=True) runs them again "
+                        "from their latest checkpoints")
+        logger.warning("The search in %s: %s.", experiment_dir, warning)
     best_config = parse_config(_merge(base_data, best.config))
     trial_name = f"{name}-{best.metrics.get('trial_id')}"
-    checkpoint = best.metrics.get("checkpoint_path")  # within the storage filesystem: no scheme on a URI storage
+    checkpoint = latest_checkpoint(best)  # within the storage filesystem: no scheme on a URI storage
     outcome = TuneOutcome(results=results, best_config=best_config, best_metrics=dict(best.metrics),
                           best_checkpoint=checkpoint and qualified(checkpoint, storage),
                           best_run_dir=join(storage, trial_name), tokenizer_path=tokenizer_path,
                           metric=tune_cfg.metric, mode=tune_cfg.mode, searched=list(tune_cfg.param_space),
-                          experiment_dir=experiment_dir)
+                          experiment_dir=experiment_dir, warning=warning)
     summary = {"config": best_config.model_dump(mode="json"), "metrics": _plain(best.metrics),
                "checkpoint": outcome.best_checkpoint, "run_dir": outcome.best_run_dir,
                "tokenizer": tokenizer_path, "metric": outcome.metric, "mode": outcome.mode,
-               "searched": outcome.searched}
+               "searched": outcome.searched, "warning": warning}
     with local_dir_for(experiment_dir) as local:  # a URI too: written locally, copied up
         with open(os.path.join(local, "best.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        # The winner as a config of its own: `ray-jax-train fit best_config.json` trains it again (or longer).
+        with open(os.path.join(local, BEST_CONFIG), "w") as f:
+            json.dump({k: v for k, v in summary["config"].items() if k != "tune"}, f, indent=2)
     return outcome
 
 
 # What makes a directory a search that Tune restores and `restore_best` reads, as opposed to its trials' outputs.
 _SEARCH_STATE = ("tuner.pkl", "experiment_state-*", "basic-variant-state-*", "searcher-state-*",
-                 "search_gen_state-*", SEARCH_CONFIG, "best.json")
+                 "search_gen_state-*", SEARCH_CONFIG, "best.json", BEST_CONFIG)
 
 
 def set_aside_search_state(experiment_dir: str) -> str:
@@ -418,17 +446,47 @@ def _unfinished_trials(experiment_dir: str, expected: int) -> int:
     return sum(t.status not in ("TERMINATED", "ERROR") for t in trials) + max(0, expected - len(trials))
 
 
-def best_result(results, metric: str, mode: str):
-    """The best trial's result by its last `metric`, among trials that did not fail; None if there is none.
+def best_result(results, metric: str, mode: str, total_steps: Optional[int] = None):
+    """The best trial's result by its last `metric`, among trials that did not fail and trained to the end (those
+    the scheduler stopped early only when none did: check `trained_to_end` on it); None if there is none.
 
     Ray's `ResultGrid.get_best_result` ranks failed trials too: one whose loss went NaN after a good early report
-    (stopped by the loop's NaN check) was the search's winner, with no checkpoint worth having.
+    (stopped by the loop's NaN check) was the search's winner, with no checkpoint worth having. And a stopped trial
+    is no error: when the only complete trial failed, one stopped untrained at step 8 of 60 was the winner.
     """
     finished = [r for r in results if r.error is None and r.metrics and _finite(r.metrics.get(metric))]
+    finished = [r for r in finished if trained_to_end(r, total_steps)] or finished
     if not finished:
         return None
     pick = min if mode == "min" else max
     return pick(finished, key=lambda r: r.metrics[metric])
+
+
+def _trial_total_steps(result, total_steps: Optional[int]) -> Optional[int]:
+    """The trial's training.total_steps: its searched value, else the search's (None: by epochs)."""
+    config = (result.metrics or {}).get("config") or {}  # Tune's Result.config (Train V2's Result refuses it)
+    return (config.get("training") or {}).get("total_steps", total_steps)
+
+
+def trained_to_end(result, total_steps: Optional[int]) -> bool:
+    """Whether the trial's last report is of its last step: not one a scheduler stopped early (a trial by epochs,
+    of a length the driver cannot know, counts as trained to the end)."""
+    total, step = _trial_total_steps(result, total_steps), (result.metrics or {}).get("step")
+    return not total or step is None or step >= total
+
+
+def latest_checkpoint(result) -> Optional[str]:
+    """The path of the trial's latest Train checkpoint, or None.
+
+    Tune registers none (`result.checkpoint` is None): TuneReportCallback puts each one's path in the report of
+    its step, so the last report of a trial that was stopped, or logged after its last save, names none.
+    """
+    frame = result.metrics_dataframe
+    if frame is not None and "checkpoint_path" in frame:
+        paths = frame["checkpoint_path"].dropna()
+        if len(paths):
+            return str(paths.iloc[-1])
+    return (result.metrics or {}).get("checkpoint_path")
 
 
 def _finite(value) -> bool:
@@ -449,5 +507,5 @@ def restore_best(experiment_dir: str):
     outcome = TuneOutcome(results=None, best_config=parse_config(best["config"]), best_metrics=best["metrics"],
                           best_checkpoint=best["checkpoint"], best_run_dir=best["run_dir"],
                           tokenizer_path=best["tokenizer"], metric=best["metric"], mode=best["mode"],
-                          searched=best["searched"])
+                          searched=best["searched"], warning=best.get("warning"))
     return outcome.restore_best_params()

@@ -391,6 +391,46 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch)
     assert code == 0 and out.strip() == "./curves.png" and (tmp_path / "curves.png").exists()
 
 
+def test_plot_of_a_search_draws_every_trial_s_loss_together(tmp_path, capsys):
+    """`plot <search dir>` was refused ("RUN_DIR must be a training run directory"), though export and generate take
+    one: the trials' losses side by side are what a search is run for. Laid out as Tune and our trials lay it out."""
+    import matplotlib.image
+
+    from ray_jax_train.plot import search_trials
+
+    search = tmp_path / "lr-search"
+    search.mkdir()
+    (search / "search_config.json").write_text("{}")
+    for n, (trial_id, lr) in enumerate((("86706_00000", "0.0030"), ("86706_00001", "0.0001"), ("86706_00002", "1"))):
+        (search / f"trial_{trial_id}_{n}_learning_rate={lr}_2026-11-26_13-58-58").mkdir()
+        if n == 2:
+            continue  # a trial that failed before it logged: no curve, no error
+        (tmp_path / f"lr-search-{trial_id}").mkdir()
+        (tmp_path / f"lr-search-{trial_id}" / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": 6.0 - s * (0.1 if n == 0 else 0.01)}) + "\n" for s in range(1, 31)))
+    (search / "best.json").write_text(json.dumps({"run_dir": str(tmp_path / "lr-search-86706_00000")}))
+    trials = search_trials(str(search))
+    assert [(t["label"], t["best"]) for t in trials] == [("learning_rate=0.0030", True),
+                                                          ("learning_rate=0.0001", False), ("learning_rate=1", False)]
+    code, out, _ = run(["plot", str(search)], capsys)
+    assert code == 0 and out.strip() == str(search / "trials.png")
+    assert matplotlib.image.imread(out.strip()).shape[0] > 100
+    empty = tmp_path / "empty-search"
+    empty.mkdir()
+    (empty / "search_config.json").write_text("{}")
+    code, _, err = run(["plot", str(empty)], capsys)
+    assert code == 2 and "no trial has logged a metrics.jsonl yet" in err
+
+
+def test_a_private_ray_sized_past_the_machine_says_the_workers_share_its_cores():
+    """The private Ray is sized to fit the workers, so cpus_per_worker=16 on 2 cores ran without a word."""
+    from ray_jax_train.cli import _more_cpus_than_cores
+
+    assert _more_cpus_than_cores(2, 2) is None
+    assert "ask for 32 CPUs in all" in _more_cpus_than_cores(32, 2) and "machine has 2 cores" in \
+        _more_cpus_than_cores(32, 2)
+
+
 def test_entry_points(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "ray-jax-train")
     done = subprocess.run([script, "config", "validate", TINY], capture_output=True, text=True, timeout=120)

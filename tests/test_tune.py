@@ -75,6 +75,131 @@ def test_the_best_trial_is_one_that_finished_and_asha_runs_to_the_longest_search
     assert _scheduler(capped, 16)._max_t == 17  # at the last step itself, the final checkpoint was never reported
 
 
+def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings_its_latest_checkpoint(tmp_path):
+    """A review: the only complete trial failed, and one ASHA stopped at step 8 of 60 was "best", its checkpoint
+    read from its last report only (none: it saved at step 5), with the hint "set training.save_steps" though set."""
+    import pandas as pd
+    from ray.tune import Result  # what Tune's ResultGrid holds
+
+    from ray_jax_train.run_config import parse_config
+    from ray_jax_train.tune import TuneOutcome, best_result, latest_checkpoint, trained_to_end
+
+    def result(loss, step, error=None, checkpoints=(), **training):
+        reports = [{"step": s, "checkpoint_path": c} for s, c in checkpoints] + [{"step": step}]
+        metrics = {"loss": loss, "step": step, "trial_id": f"t{step}", "config": {"training": training}}
+        return Result(metrics=metrics, checkpoint=None, error=error, path=str(tmp_path),
+                      metrics_dataframe=pd.DataFrame(reports))
+
+    stopped = result(5.7, 8, checkpoints=[(5, "/runs/s-t8/checkpoint_5")])
+    failed = result(4.8, 26, error=RuntimeError("WorkerHealthCheckFailedError"))
+    assert best_result([failed, stopped], "loss", "min", 60) is stopped  # the fallback, which the caller flags
+    assert not trained_to_end(stopped, 60)
+    finished, better_but_stopped = result(5.0, 60), result(4.0, 30)
+    assert best_result([better_but_stopped, finished, stopped], "loss", "min", 60) is finished
+    longer = result(4.5, 40, total_steps=40)  # a searched total_steps is the trial's own end
+    assert trained_to_end(longer, 60) and best_result([longer, finished], "loss", "min", 60) is longer
+    assert trained_to_end(result(5.0, 8), None)  # by epochs: its length is unknown, so it counts as complete
+    assert latest_checkpoint(stopped) == "/runs/s-t8/checkpoint_5"
+    assert latest_checkpoint(result(5.0, 60, checkpoints=[(5, "/c5"), (10, "/c10")])) == "/c10"
+    assert latest_checkpoint(result(5.0, 3)) is None
+
+    def outcome(step, **training):
+        config = parse_config({"training": {"total_steps": 60, **training}})
+        return TuneOutcome(results=None, best_config=config, best_metrics={"step": step}, best_checkpoint=None,
+                           best_run_dir="/runs/s-t", tokenizer_path="", metric="loss", mode="min")
+
+    assert "save_steps is not set" in outcome(8).no_checkpoint_reason()
+    reason = outcome(3, save_steps=5).no_checkpoint_reason()
+    assert reason == "it ended at step 3, before its first save at step 5 (training.save_steps)", reason
+    with pytest.raises(FileNotFoundError, match=r"ended at step 3, before its first save.*run directory: /runs/s-t"):
+        outcome(3, save_steps=5).restore_best_params()
+
+
+def test_trials_that_together_hold_the_cpus_their_workers_need_are_refused(monkeypatch):
+    """A review: 2 trials at once, each holding 0.1 CPU, left 3.8 of 4 CPUs for a 3.85-CPU worker, and the search hung
+    silently for ever; only one trial's process was counted."""
+    import ray
+
+    from ray_jax_train.run_config import ConfigError, ScalingSection, check_cluster_fits
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 4.0}}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
+    big = ScalingSection(num_workers=1, cpus_per_worker=3.85)
+    check_cluster_fits(big, trial_cpus=0.1, concurrent_trials=1)
+    with pytest.raises(ConfigError, match=r"the search would hang.*Set tune.max_concurrent_trials to 1, or "
+                                          r"lower scaling.cpus_per_worker"):
+        check_cluster_fits(big, trial_cpus=0.1, concurrent_trials=2)
+    # 40 trials without max_concurrent_trials: 30 processes leave a 1-CPU worker its CPU, 31 do not.
+    with pytest.raises(ConfigError, match=r"max_concurrent_trials to 30 or less"):
+        check_cluster_fits(ScalingSection(num_workers=1), trial_cpus=0.1, concurrent_trials=40)
+    check_cluster_fits(ScalingSection(num_workers=1), trial_cpus=0.1, concurrent_trials=30)
+    # More trial processes than fit at all: the rest wait for a CPU, not on each other.
+    check_cluster_fits(ScalingSection(num_workers=1, cpus_per_worker=1), trial_cpus=1.5, concurrent_trials=4)
+    with pytest.raises(ConfigError, match=r"scaling.num_workers=2 can never be placed"):  # as before: one trial
+        check_cluster_fits(ScalingSection(num_workers=2, cpus_per_worker=2), trial_cpus=0.1, concurrent_trials=3)
+
+
+def test_a_worker_already_dead_at_shutdown_is_no_traceback(monkeypatch, caplog):
+    """A review: Ctrl-C on `tune` printed 24 lines of ActorDiedError from on_shutdown's jax.distributed shutdown,
+    of workers that had died with their owner."""
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    from ray_jax_train.backend import JaxConfig, _JaxBackend
+
+    class Group:
+        def execute_async(self, fn):
+            return fn.__name__
+
+    def get(what, timeout=None):
+        if what == "_shutdown_worker":
+            raise ActorDiedError()
+        return None
+
+    monkeypatch.setattr(ray, "get", get)
+    with caplog.at_level(logging.DEBUG, logger="ray_jax_train.backend"):
+        _JaxBackend().on_shutdown(Group(), JaxConfig(shutdown_timeout_s=1))
+    assert "a worker is gone" in caplog.text
+
+
+def test_a_changed_resume_is_refused_before_ray_starts_and_a_moved_one_warned_once(tmp_path, monkeypatch, capsys,
+                                                                                   caplog):
+    """A review: in Python, `tune.run(..., resume=True)` with a changed config started Ray (8 s, log lines) before it
+    refused; and `tune --resume` printed the "other scaling.* than it started with" warning twice."""
+    import ray
+    import yaml
+
+    import ray_jax_train.cli
+    import ray_jax_train.trainer
+    from ray_jax_train import tune
+    from ray_jax_train.run_config import ConfigError, parse_config
+
+    tiny = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    tiny["run"] = {"storage_path": str(tmp_path)}
+    search_dir = tmp_path / tiny["tune"]["name"]
+    search_dir.mkdir()
+    (search_dir / "tuner.pkl").write_bytes(b"")  # what Tuner.can_restore looks for
+    (search_dir / tune.SEARCH_CONFIG).write_text(json.dumps(tune._comparable(parse_config(tiny).with_absolute_paths())))
+
+    class RayStarted(Exception):
+        pass
+
+    def init_ray(**_):
+        raise RayStarted
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_jax_train.trainer, "init_ray", init_ray)
+    with pytest.raises(ConfigError, match=r"started with another config \(training.weight_decay"):
+        tune.run(tiny, overrides=["training.weight_decay=0.5"], resume=True)
+
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(yaml.safe_dump({**tiny, "scaling": {"num_workers": 2}}))
+    monkeypatch.setattr(ray_jax_train.cli, "_connect", lambda *a, **k: None)
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.tune"):
+        assert ray_jax_train.cli.main(["tune", str(moved), "--resume"]) != 0  # stopped where Ray would start
+    assert caplog.text.count("with other scaling.num_workers than it started with") == 1, caplog.text
+
+
 def test_asha_max_t_below_the_longest_trial_is_refused_before_ray_starts(tmp_path, capsys):
     """ASHA stopped every trial at max_t: with total_steps searched over [4, 8] and max_t 4, both trials ended at
     their step-4 log report, before any checkpoint, and the half-trained 8-step trial won the search ("checkpoint:
@@ -140,9 +265,12 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert sorted(cache_hits)[-2] >= 5, cache_hits
     assert max(last_steps.values()) == 4, last_steps  # the best trained to the end ...
     assert min(last_steps.values()) < 4, last_steps  # ... and ASHA stopped at least one trial early
-    # The summary gives every trial's outcome: finished or stopped early, with its value, the best marked.
-    trial_lines = [line for line in done.stdout.splitlines() if line.startswith("  learning_rate=")]
+    # The summary gives every trial's outcome: finished or stopped early, with its value, the best marked, and its
+    # id, which names its Train run beside the search's directory.
+    trial_lines = [line for line in done.stdout.splitlines() if re.match(r"  \w+_\d{5}  learning_rate=", line)]
     assert len(trial_lines) == 4, done.stdout[-3000:]
+    assert all((tmp_path / f"tune-tiny-llama-{line.split()[0]}" / "metrics.jsonl").is_file() for line in trial_lines)
+    assert f"trial runs:  {experiment}-<trial id>" in done.stdout, done.stdout[-3000:]
     stopped = sum(1 for v in last_steps.values() if v < 4)
     assert sum("stopped early by the scheduler" in line for line in trial_lines) == stopped, trial_lines
     assert sum(line.endswith("<- best") for line in trial_lines) == 1 and "step 4/4, finished" in "".join(
@@ -153,7 +281,12 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     best = json.loads((experiment / "best.json").read_text())
     assert best["config"]["training"]["learning_rate"] in (3e-3, 1e-3), last_steps
     assert best["checkpoint"] and os.path.isdir(best["checkpoint"])
-    assert os.path.isfile(os.path.join(best["run_dir"], "metrics.jsonl"))
+    assert os.path.isfile(os.path.join(best["run_dir"], "metrics.jsonl")) and best["warning"] is None
+    # The winner as a config `fit` reads: the best trial's values, without the search.
+    from ray_jax_train.run_config import load_config
+
+    again = load_config(str(experiment / "best_config.json"))
+    assert again.tune is None and again.training["learning_rate"] == best["config"]["training"]["learning_rate"]
     params = restore_best(str(experiment))
     leaves = jax.tree.leaves(params)
     assert any(x.ndim == 2 and 32 in x.shape for x in leaves)
