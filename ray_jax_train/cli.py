@@ -498,9 +498,11 @@ def cmd_generate(args) -> int:
     model_dir = args.model_dir
     if os.path.isfile(os.path.join(model_dir, "best.json")):  # a Tune search: its best trial's run
         with open(os.path.join(model_dir, "best.json")) as f:
-            model_dir = json.load(f).get("run_dir") or model_dir
+            best = json.load(f)
+        model_dir = best.get("run_dir") or model_dir
         print(f"[ray-jax-train] {args.model_dir} is a Tune search: generating with its best trial, {model_dir}",
               file=sys.stderr)
+        _warn_if_trained_on(args.model_dir, best)
     if os.path.isfile(os.path.join(model_dir, "final_model", "config.json")):
         model_dir = os.path.join(model_dir, "final_model")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -522,6 +524,24 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _warn_if_trained_on(search_dir: str, best: dict) -> None:
+    """The best trial's final_model/ is what `generate` uses, its recorded checkpoint what `export` uses: the same
+    model, until the trial's run is trained on after the search (fit under its name). Said when they differ."""
+    from ray_jax_train.lm.export import _resolve
+
+    if not best.get("checkpoint") or not best.get("run_dir"):
+        return
+    try:
+        latest, _ = _resolve(best["run_dir"])
+    except Exception:  # noqa: BLE001 - no run directory left to compare with: nothing to say
+        return
+    if os.path.basename(latest.rstrip("/")) != os.path.basename(best["checkpoint"].rstrip("/")):
+        print(f"ray-jax-train: warning: the best trial's run was trained on after the search: its final_model/ comes "
+              f"after {os.path.basename(latest.rstrip('/'))}, the search's best is {best['checkpoint']}. To generate "
+              f"with the search's best, export it (`ray-jax-train export {search_dir} DIR`) and pass DIR.",
+              file=sys.stderr)
+
+
 def cmd_export(args) -> int:
     from ray_jax_train.checkpoint import CheckpointCorruptError
     from ray_jax_train.lm.export import export_checkpoint
@@ -529,7 +549,7 @@ def cmd_export(args) -> int:
     try:
         out = export_checkpoint(args.source, args.out_dir, model_config=args.model_config, tokenizer=args.tokenizer,
                                 dtype=args.dtype, overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as exc:  # a checkpoint of another model, a bad config.json or dtype: a message, no traceback
+    except (ValueError, FileExistsError) as exc:  # another model's checkpoint, a bad dtype, a full out_dir: a message
         raise UsageError(str(exc)) from None
     except CheckpointCorruptError as exc:
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)

@@ -228,3 +228,18 @@ def test_a_run_from_a_hugging_face_model_keeps_its_generation_config(tmp_path):
     assert _generation_config_of({"source": "hf", "path": str(tmp_path / "none")}) is None
     assert _generation_config_of({"source": "checkpoint", "path": str(tmp_path)}) is None
     assert _generation_config_of({}) is None
+
+
+def test_generate_on_a_search_says_when_its_best_run_trained_on_after_it(run, tmp_path, capsys):
+    """`generate <search dir>` uses the best trial's final_model/, `export <search dir>` its recorded checkpoint: they
+    silently differed once the trial's run was continued after the search."""
+    run_dir, _ = run
+    early, last = _checkpoints(run_dir)
+    search = tmp_path / "search"
+    search.mkdir()
+    for recorded, warned in ((last, False), (early, True)):
+        (search / "best.json").write_text(json.dumps({"run_dir": run_dir, "checkpoint": recorded}))
+        assert main(["generate", str(search), "--prompt", "one two", "--max-new-tokens", "2"]) == 0
+        err = capsys.readouterr().err
+        assert ("trained on after the search" in err) is warned, err
+        assert ("ray-jax-train export " + str(search)) in err if warned else True
