@@ -299,6 +299,16 @@ def cmd_fit(args) -> int:
     return EXIT_OK
 
 
+def _shortened(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters at a sentence's end (else a word's), marked as cut: a summary line cut
+    mid-sentence read as the whole advice ("... lower learning_rate,")."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = max(head.rfind(". "), head.rfind("; "))
+    return (head[:end + 1] if end > limit // 3 else head.rsplit(" ", 1)[0]) + " [...]"
+
+
 def _error_line(exc: BaseException) -> str:
     """`Type: message` of the error behind `exc`: the first worker's own exception where Ray wraps it (Ray's
     WorkerGroupError text is a traceback whose middle Ray cuts out of long messages, so its last line could start
@@ -449,7 +459,7 @@ def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
         metrics = result.metrics or {}
         step, total = metrics.get("step"), searched(result, "training.total_steps", base_total_steps)
         if result.error is not None:
-            ended = f"failed: {_error_line(result.error)[:300]}"
+            ended = f"failed: {_shortened(_error_line(result.error), 300)}"
         elif step is not None and total and step < total:
             ended = "stopped early by the scheduler"
         else:

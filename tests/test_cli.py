@@ -431,6 +431,17 @@ def test_a_private_ray_sized_past_the_machine_says_the_workers_share_its_cores()
         _more_cpus_than_cores(32, 2)
 
 
+def test_a_failed_trial_s_error_is_shortened_at_a_sentence_end():
+    from ray_jax_train.cli import _shortened
+
+    advice = ("NonFiniteLossError: Step 2 gave loss nan. Lower learning_rate, add warmup_steps or set max_grad_norm; "
+              "check the data for empty rows. ") * 3
+    cut = _shortened(advice, 150)
+    assert cut.endswith(". [...]") and len(cut) <= 157 and advice.startswith(cut[:-6])
+    assert _shortened("short", 150) == "short"
+    assert _shortened("x" * 20 + " word" * 60, 100).endswith("word [...]")
+
+
 def test_entry_points(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "ray-jax-train")
     done = subprocess.run([script, "config", "validate", TINY], capture_output=True, text=True, timeout=120)
