@@ -818,19 +818,25 @@ def check_data_columns(config: ExperimentConfig) -> None:
     `fit` / `tune` say it before Ray starts. Data this cannot read cheaply (URIs, .json arrays) is checked when read."""
     from ray_jax_train.text import check_chat_template, load_tokenizer
     from ray_jax_train.text.errors import TextDataError
-    from ray_jax_train.text.sources import peek_columns, resolve_column
+    from ray_jax_train.text.sources import peek_columns_each, resolve_column
 
     text_column = config.training.get("text_column", "text")
     messages_column = config.training.get("messages_column", "messages")
     for which in ("source", "eval_source"):
-        peeked = peek_columns(config.data.paths(which))
-        if peeked is None:
+        peeked = peek_columns_each(config.data.paths(which))
+        if not peeked:
             continue
-        first, columns = peeked
+        first, columns = peeked[0]
         try:
             kind, _ = resolve_column(columns, text_column, messages_column)
         except TextDataError as exc:
             raise ConfigError(f"data.{which} ({first}): {exc}") from None
+        for file, columns in peeked[1:]:  # one shard under another column name: its rows read as null text
+            try:
+                resolve_column(columns, text_column, messages_column)
+            except TextDataError as exc:
+                raise ConfigError(f"data.{which}: {file} differs from {first}: {exc} Every file must hold the same "
+                                  "column: rename it in that file, or leave the file out.") from None
         tokenizer_dir = config.tokenizer.path or hf_tokenizer_dir(config)
         if kind != "messages" or tokenizer_dir is None or is_uri(tokenizer_dir):
             continue  # a tokenizer trained at run time gets a chat template that marks assistant turns
@@ -898,11 +904,12 @@ def read_error(exc: BaseException) -> str:
     cause = lines[-1] if lines else type(exc).__name__
     # A map UDF's error comes wrapped in Ray Data's UserCodeException, whose last lines are its retry advice: the
     # user's error is the last raised line that is not Ray's own.
-    raised = [m.group(2) for m in map(_RAISED_LINE.match, lines)
+    raised = [m for m in map(_RAISED_LINE.match, lines)
               if m and not any(ray_own in m.group(1) for ray_own in ("UserCodeException", "RayTaskError"))]
-    if raised:
-        cause = raised[-1]
-    if any(word in cause for word in ("decode", "Decode", "JSON", "parse", "Parse", "ArrowInvalid")):
+    if raised:  # our own errors' messages say it all; another's type is part of what it says (UnicodeDecodeError)
+        kind, message = raised[-1].groups()
+        cause = message if kind.startswith("ray_jax_train.") else f"{kind.rsplit('.', 1)[-1]}: {message}"
+    if any(word in cause.lower() for word in ("decod", "json", "pars", "arrowinvalid", "unmatched")):
         cause += (". Check that every file is UTF-8 text (.txt: one document per line), JSON lines (.jsonl: one JSON "
                   "object per line), Parquet or CSV, as its extension says")
     return cause

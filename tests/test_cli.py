@@ -89,6 +89,13 @@ def test_validate_reads_the_data_columns_and_the_chat_template_without_ray(capsy
     code, _, err = validate(f"data.source={tmp_path / 'chat.jsonl'}", f"tokenizer.path={plain}")
     assert code == 2 and "holds conversations in 'messages'" in err and "no chat template" in err, err
     assert validate(f"data.source={tmp_path / 'chat.jsonl'}")[0] == 0  # a trained tokenizer gets a template
+    # One shard of many with its text under another name: its rows read as null text and were dropped unsaid.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        (shards / f"part-{i}.jsonl").write_text(json.dumps({"text" if i != 1 else "content": "words"}) + "\n")
+    code, _, err = validate(f"data.source={shards}")
+    assert code == 2 and "part-1.jsonl differs from" in err and "its columns are ['content']" in err, err
 
 
 def test_show_applies_overrides_and_fills_defaults(capsys, tmp_path):
@@ -783,3 +790,7 @@ def test_a_bad_row_found_while_ray_data_tokenises_is_named_not_ray_s_retry_advic
     assert read_error(exc) == ("message 0 of a conversation has no string 'role' ({'content': 'x'}): each message "
                                "needs a role.")
     assert read_error(ValueError("plain")) == "plain"
+    # A JSON lines shard cut short: Arrow's words ("when decoding") got no hint at the formats.
+    cut = ray.exceptions.RayTaskError("read", "Traceback\npyarrow.lib.ArrowInvalid: JSON parse error: Unmatched '\"' "
+                                      "when decoding 'string' at position 5280", ValueError("x")).as_instanceof_cause()
+    assert "JSON parse error: Unmatched" in read_error(cut) and "JSON lines (.jsonl" in read_error(cut)

@@ -347,6 +347,10 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
     ordered = ray.data.range(4 * len(rows), override_num_blocks=4).map_batches(slow_first, batch_format="numpy")
     made, _, _ = prepare_lm_datasets(ordered, None, None, args.model_copy(update={"batch_size": 4}), materialize=True)
     assert [int(row["input_ids"][0]) for row in made["train"].take_all()] == list(range(4 * len(rows)))
+    # Token ids alone were "neither a text column nor a messages column": say what pre-tokenised rows need.
+    with pytest.raises(MissingColumnError, match="holds token ids \\(input_ids\\) without targets and loss_mask.*"
+                                                 "pack_documents"):
+        prepare_lm_datasets([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}], None, None, args)
     # eval_steps with no eval data evaluated nothing, without a word.
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.data"):
         prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4, "eval_steps": 2}),

@@ -324,6 +324,17 @@ def test_a_batch_of_empty_rows_packs_to_no_rows(tokenizer):
         assert set(out) == set(PACKED_KEYS) and all(v.shape == (0, 16) for v in out.values())
 
 
+def test_a_shard_of_null_text_is_empty_and_numbers_for_text_are_named(tokenizer):
+    """A shard whose text is null in every row reaches TokenizeAndPack as NaN once Ray Data merges it with others
+    (NaN passed `if t`; the tokenizer then failed with a TypeError naming no column); ints in one shard did too."""
+    import numpy as np
+
+    out = TokenizeAndPack(tokenizer, 16)({"text": np.array(["one two", float("nan"), None, ""], dtype=object)})
+    assert out["input_ids"].shape[0] == 1  # the one document packs; the nulls make none
+    with pytest.raises(TextDataError, match=r"column 'text' holds a int \(7\), not text.*training\.text_column"):
+        TokenizeAndPack(tokenizer, 16)({"text": np.array(["one", 7], dtype=object)})
+
+
 def test_error_messages_name_the_config_key_and_the_python_argument(tokenizer, tmp_path):
     import pyarrow as pa
 

@@ -48,6 +48,13 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
             if vocab_size is not None:
                 packed = _check_every_row(dataset, vocab_size, what)
     else:
+        if names is not None and "input_ids" in names and args.text_column not in names \
+                and args.messages_column not in names:
+            missing = [name for name in REQUIRED if name not in names]
+            raise text.MissingColumnError(
+                f"{what} holds token ids (input_ids) without {' and '.join(missing)}: pre-tokenised rows need "
+                f"{', '.join(REQUIRED)}, each max_sequence_length={args.max_sequence_length} long. Pack token lists "
+                "of any length into such rows with ray_jax_train.pack_documents, or give the raw text instead.")
         if tokenizer is None:
             raise ValueError(f"{what} holds raw text (columns {names}) but no tokenizer is available; give the "
                              "trainer a local tokenizer/model directory or pre-tokenised rows.")

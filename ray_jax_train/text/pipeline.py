@@ -78,16 +78,35 @@ class TokenizeAndPack:
             if self.text_column in _batch_columns(batch):
                 # A file that mixes text rows and chat rows reads as one table with both columns, the text rows'
                 # messages null: those rows are text documents (loss on every token), not dropped.
-                texts = [t for t, c in zip(_column_values(batch, self.text_column), conversations) if t and not c]
+                texts = [t for t, c in zip(_texts(_column_values(batch, self.text_column), self.text_column),
+                                           conversations) if t and not c]
                 text_docs = encode_texts(self.tokenizer, texts, add_bos=self.add_bos)
                 docs += text_docs
                 masks += [np.ones(len(d), dtype=np.int32) for d in text_docs]
         else:
-            texts = [t for t in _column_values(batch, self.text_column) if t]  # empty text: no document
+            texts = [t for t in _texts(_column_values(batch, self.text_column), self.text_column) if t]  # "": none
             docs, masks = encode_texts(self.tokenizer, texts, add_bos=self.add_bos), None
         return pack_documents(docs, self.seq_len, label_masks=masks, pad_id=self.pad_id,
                               max_position_embeddings=self.max_position_embeddings,
                               truncation=self.truncation)
+
+
+def _texts(values, column: str) -> list:
+    """A text column's values with null as "": Ray Data reads a shard whose text is null in every row as NaN once it
+    meets the others (NaN passed `if t` and failed in the tokenizer naming nothing). Any other non-string (ints, a
+    list) is refused, naming the column."""
+    out = []
+    for value in values:
+        if value is None or (isinstance(value, float) and value != value):
+            out.append("")
+        elif isinstance(value, str):
+            out.append(value)
+        else:
+            raise TextDataError(
+                f"column {column!r} holds a {type(value).__name__} ({value!r:.60}), not text: a file whose "
+                f"{column!r} is numbers or lists? Convert it to strings, leave that file out, or name the right "
+                "column with training.text_column (text_column= in Python).")
+    return out
 
 
 def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "text",

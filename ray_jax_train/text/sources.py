@@ -95,10 +95,15 @@ def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] 
     """(file, its columns) from the first file of local `paths`, read without Ray: lets a config's columns be
     checked before Ray starts. The columns of JSON lines are those of its first `rows` rows. None where that is
     not cheap to tell (URIs, a .json array, a file that does not parse); reading the data says why later."""
-    import json
+    each = peek_columns_each(paths, rows, max_files=1)
+    return each[0] if each else None
 
-    import pyarrow as pa
 
+def peek_columns_each(paths: Sequence[str], rows: int = 20,
+                      max_files: int = 256) -> list[tuple[str, list[str]]] | None:
+    """`peek_columns` for each of the first `max_files` files (later files' heads read shorter): a shard whose
+    text sits under another column name read as null text, and its rows were dropped without a word. None where
+    the first file cannot be peeked; later files that cannot are left out (reading them says why)."""
     if not paths or any(storage.is_uri(p) for p in paths):
         return None
     try:
@@ -109,31 +114,45 @@ def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] 
     if len(formats) != 1:
         return None
     format = formats.pop()
-    first = next(f for f in found if _format_of(f) == format)
+    peeked: list[tuple[str, list[str]]] = []
+    for file in [f for f in found if _format_of(f) == format][:max_files]:
+        columns = _columns_of(file, format, rows, head_bytes=1 << 20 if not peeked else 1 << 16)
+        if columns is None and not peeked:
+            return None
+        if columns is not None:
+            peeked.append((file, columns))
+    return peeked
+
+
+def _columns_of(file: str, format: str, rows: int, head_bytes: int) -> list[str] | None:
+    import json
+
+    import pyarrow as pa
+
     try:
         if format == "text":
-            return first, ["text"]
+            return ["text"]
         if format == "parquet":
             import pyarrow.parquet as pq
 
-            return first, list(pq.ParquetFile(first).schema_arrow.names)
+            return list(pq.ParquetFile(file).schema_arrow.names)
         if format == "csv":
             import pyarrow.csv as pcsv
 
-            with pcsv.open_csv(first) as reader:  # reads the header and a first block only
-                return first, list(reader.schema.names)
-        with pa.input_stream(first, compression="detect") as stream:  # .jsonl.gz and the like too
-            head = stream.read(1 << 20).decode("utf-8", errors="replace")
+            with pcsv.open_csv(file) as reader:  # reads the header and a first block only
+                return list(reader.schema.names)
+        with pa.input_stream(file, compression="detect") as stream:  # .jsonl.gz and the like too
+            head = stream.read(head_bytes).decode("utf-8", errors="replace")
     except (OSError, ValueError, pa.ArrowException):
         return None
-    lines = [line for line in head.splitlines()[:-1 if len(head) == 1 << 20 else None] if line.strip()][:rows]
+    lines = [line for line in head.splitlines()[:-1 if len(head) == head_bytes else None] if line.strip()][:rows]
     try:
         parsed = [json.loads(line) for line in lines]
     except ValueError:  # a .json holding one array (or broken JSON): left to the read
         return None
     if not parsed or not all(isinstance(row, dict) for row in parsed):
         return None
-    return first, sorted({name for row in parsed for name in row})
+    return sorted({name for row in parsed for name in row})
 
 
 def _file_sizes(files: list[str]) -> list[int]:
