@@ -36,8 +36,13 @@ def resolve_dataset(dataset) -> Any:
         try:
             return ray.train.get_dataset_shard(dataset)
         except (KeyError, AssertionError) as exc:  # AssertionError: in Ray's local mode (num_workers=0)
+            given = _given_dataset_names()
+            import difflib
+
+            close = difflib.get_close_matches(dataset, given, n=1)
+            named = (f"; it was given {given}" + (f" (did you mean {close[0]!r}?)" if close else "")) if given else ""
             raise ValueError(
-                f"No dataset named {dataset!r} was given to the trainer ({exc}). Pass it in "
+                f"No dataset named {dataset!r} was given to the trainer ({exc}){named}. Pass it in "
                 f"JaxTrainer(datasets={{{dataset!r}: ...}}) or use one of the names that were passed."
             ) from None
     if hasattr(dataset, "iter_batches"):
@@ -57,6 +62,16 @@ def resolve_dataset(dataset) -> Any:
         f"iter_jax_batches needs a dataset name, a ray.data.DataIterator or a ray.data.Dataset, "
         f"got {type(dataset).__name__}."
     )
+
+
+def _given_dataset_names() -> list:
+    """The trainer's dataset names, for an error about another one; [] where Ray's (private) context does not say."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return sorted(getattr(get_train_context().dataset_shard_provider, "_dataset_names", None) or [])
+    except Exception:  # noqa: BLE001 - only an error message's detail
+        return []
 
 
 def _check_split(name: str, iterator) -> None:

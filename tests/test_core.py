@@ -128,6 +128,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
         assert info["pad_batches"] == 6
         assert info["batches_of_64"] == 16 and info["kv_batch_keys"] <= 4 * 3, info  # 4 iterators
     assert "No dataset named 'valid'" in ranks[0]["unknown_dataset_error"]
+    assert "it was given ['train']" in ranks[0]["unknown_dataset_error"]  # the names that were passed, listed
     assert all("initialize(num_processes=3) in a worker" in info["second_initialize_error"] and
                "JaxConfig(distributed=False)" in info["second_initialize_error"] for info in ranks), ranks
     assert all(len(info["coordinator_warning"]) == 1 for info in ranks), ranks
