@@ -80,6 +80,7 @@ def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path)
         assert rjt.generation_eos_ids(directory) == [2, 3]
     assert main(["export", last, str(tmp_path / "other_tok"), "--tokenizer", out]) == 0  # another tokenizer too
     assert rjt.generation_eos_ids(tmp_path / "other_tok") == [2, 3]
+    assert load_tokenizer(tmp_path / "other_tok")("three four")["input_ids"] == tokenizer("three four")["input_ids"]
 
     export_checkpoint(early, tmp_path / "early")
     assert not all(np.array_equal(a, final[k]) for k, a in _params(tmp_path / "early").items())

@@ -65,14 +65,14 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     with storage.local_dir_for(os.fspath(out_dir)) as local:
         if overwrite and os.path.isfile(os.path.join(local, GENERATION_CONFIG)):
             os.remove(os.path.join(local, GENERATION_CONFIG))  # the earlier model's, which the run may not have
+        generation = f"{model_files}/{GENERATION_CONFIG}"
         if has_files and tokenizer is None:  # the tokenizer's files; save_pretrained then writes config.json
             pafs.copy_files(model_files, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-        elif has_files:  # another tokenizer: the run's generation settings still belong to the model
-            generation = f"{model_files}/{GENERATION_CONFIG}"
-            if fs.get_file_info(generation).type == pafs.FileType.File:
-                pafs.copy_files(generation, os.path.join(local, GENERATION_CONFIG), source_filesystem=fs,
-                                destination_filesystem=pafs.LocalFileSystem())
-        elif isinstance(tokenizer, (str, os.PathLike)):
+        elif has_files and fs.get_file_info(generation).type == pafs.FileType.File:
+            # Another tokenizer (written below): the run's generation settings still belong to the model.
+            pafs.copy_files(generation, os.path.join(local, GENERATION_CONFIG), source_filesystem=fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+        if isinstance(tokenizer, (str, os.PathLike)):
             from ray_jax_train.text import load_tokenizer
 
             load_tokenizer(os.fspath(tokenizer)).save_pretrained(local)
