@@ -223,9 +223,8 @@ def _resume_hint(args, name: str) -> str:
 
 def _resume_point(run_dir: str) -> str:
     """Where a resume of `run_dir` would start: its newest finished checkpoint (registered with Ray or not)."""
-    import re
-
     from ray_jax_train.lm.export import _resolve
+    from ray_jax_train.run_config import checkpoint_step
 
     export_log = logging.getLogger("ray_jax_train.lm.export")
     level = export_log.level
@@ -238,8 +237,8 @@ def _resume_point(run_dir: str) -> str:
         return "(from its latest checkpoint, if it saved one)"
     finally:
         export_log.setLevel(level)
-    found = re.search(r"checkpoint_(\d+)", checkpoint.rsplit("/", 1)[-1])
-    return f"(from the checkpoint of step {int(found.group(1))})" if found else f"(from {checkpoint})"
+    step = checkpoint_step(checkpoint)
+    return f"(from the checkpoint of step {step})" if step is not None else f"(from {checkpoint})"
 
 
 def _warn_if_in_ray_package_cache(path: str) -> None:
@@ -449,6 +448,8 @@ def _say_it_resumes(info) -> None:
 def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
     """One line per trial: its id (its Train run is <search dir>-<id>), searched values, last step and metric, and
     how it ended (finished, stopped early by the scheduler, or failed, with the error)."""
+    from ray_jax_train.tune import trained_to_end
+
     def searched(result, dotted: str, default=None):  # Tune's trial config is nested: {"training": {...}}
         section, key = dotted.split(".", 1)
         return ((result.config or {}).get(section) or {}).get(key, default)
@@ -460,7 +461,7 @@ def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
         step, total = metrics.get("step"), searched(result, "training.total_steps", base_total_steps)
         if result.error is not None:
             ended = f"failed: {_shortened(_error_line(result.error), 300)}"
-        elif step is not None and total and step < total:
+        elif not trained_to_end(result, base_total_steps):
             ended = "stopped early by the scheduler"
         else:
             ended = "finished"

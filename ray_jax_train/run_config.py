@@ -955,9 +955,10 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> Optional[str
 
 
 def checkpoint_step(checkpoint: Optional[str]) -> Optional[int]:
-    """The step in a checkpoint directory's name (`checkpoint_000000040_7e4178fe`), or None."""
-    match = re.search(r"checkpoint_(\d+)_[0-9a-f]+/?$", checkpoint or "")
-    return int(match.group(1)) if match else None
+    """The step in a checkpoint directory's name, or None (imported late: the checkpoint module loads orbax)."""
+    from ray_jax_train.checkpoint.core import checkpoint_step as step_in_name
+
+    return step_in_name(checkpoint)
 
 
 def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:

@@ -240,8 +240,14 @@ def _checkpoints_in(loc: _Location) -> List[str]:
 
 def _step_of(loc: _Location) -> int:
     """The step in one of our checkpoints' names; -1 for any other name."""
-    match = _NAME_RE.match(loc.fs_path.rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else -1
+    step = checkpoint_step(loc.fs_path)
+    return -1 if step is None else step
+
+
+def checkpoint_step(path: Optional[str]) -> Optional[int]:
+    """The step in a checkpoint directory's name (`.../checkpoint_000000040_7e4178fe`), or None for another name."""
+    match = _NAME_RE.match((path or "").rstrip("/").rsplit("/", 1)[-1].split("?", 1)[0])
+    return int(match.group(1)) if match else None
 
 
 def finished_after(run: _Location, latest: Optional[_Location]) -> List[_Location]:

@@ -91,19 +91,14 @@ def _read_paths(paths: Sequence[str], format: str | None):
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet', 'csv' or 'text'")
 
 
-def peek_columns(paths: Sequence[str], rows: int = 20) -> tuple[str, list[str]] | None:
-    """(file, its columns) from the first file of local `paths`, read without Ray: lets a config's columns be
-    checked before Ray starts. The columns of JSON lines are those of its first `rows` rows. None where that is
-    not cheap to tell (URIs, a .json array, a file that does not parse); reading the data says why later."""
-    each = peek_columns_each(paths, rows, max_files=1)
-    return each[0] if each else None
-
-
 def peek_columns_each(paths: Sequence[str], rows: int = 20,
                       max_files: int = 256) -> list[tuple[str, list[str]]] | None:
-    """`peek_columns` for each of the first `max_files` files (later files' heads read shorter): a shard whose
-    text sits under another column name read as null text, and its rows were dropped without a word. None where
-    the first file cannot be peeked; later files that cannot are left out (reading them says why)."""
+    """[(file, its columns)] for each of the first `max_files` local files of `paths`, read without Ray, so a
+    config's columns are checked before Ray starts (later files' heads are read shorter). The columns of JSON lines
+    are those of its first `rows` rows. Every file, not the first only: a shard whose text sits under another column
+    name read as null text, and its rows were dropped without a word. None where the first file cannot be peeked
+    cheaply (URIs, a .json array, a file that does not parse); later files that cannot are left out (reading them
+    says why)."""
     if not paths or any(storage.is_uri(p) for p in paths):
         return None
     try:
