@@ -239,6 +239,19 @@ def report_lines(report: dict) -> list:
     return lines
 
 
+def cpu_suite(args, env: dict, remaining) -> int:
+    """The CPU suite's variants on a machine with many idle cores, written to OUT/cpu_suite."""
+    out = os.path.join(args.out, "cpu_suite")
+    cmd = [sys.executable, os.path.join(HERE, "suite.py"), "--out", out, "--no-checkpoint", "--rounds",
+           str(args.cpu_suite_rounds), "--machine", f"{os.cpu_count()}-core device machine, JAX on CPU"]
+    cmd += ["--smoke"] if args.smoke else []
+    # A hidden GPU: Ray would otherwise count it, and JAX's CUDA plugin would start beside the CPU client.
+    cpu_env = dict(env, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    with open(os.path.join(args.out, "gpu_session.log"), "w", buffering=1) as log:
+        result = run_stage("cpu suite", cmd + ["--variants", *args.cpu_suite], cpu_env, remaining(), log)
+    return 0 if result.get("rc") == 0 else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -252,11 +265,17 @@ def main(argv=None) -> int:
                         help="only the ~100M loop, 150 steps, with a jax.profiler trace of steps 100-104 in OUT/loop_profile.xplane.pb")
     parser.add_argument("--loops-only", action="store_true",
                         help="the attention check and the two `fit` runs (~100M, ~1B) only: no bare steps")
+    parser.add_argument("--cpu-suite", nargs="+", metavar="VARIANT",
+                        help="only `suite.py --variants VARIANT...` on this machine's CPUs (JAX_PLATFORMS=cpu): "
+                             "(a) and (d) where Ray's own processes have cores to spare, unlike the 2-core CI VM")
+    parser.add_argument("--cpu-suite-rounds", type=int, default=3)
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     began = time.perf_counter()
     remaining = lambda: args.budget_s - (time.perf_counter() - began)  # noqa: E731
     env = prepare_env(args)
+    if args.cpu_suite:
+        return cpu_suite(args, env, remaining)
     if args.smoke:
         env.setdefault("JAX_PLATFORMS", "cpu")
     py = sys.executable

@@ -467,9 +467,28 @@ def _fmt(s: Dict[str, float], digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
 
+def cpu_topology() -> Dict[str, Any]:
+    """Which usable CPUs share a physical core: (d) pins workers to cores, and two hyperthreads are not two cores."""
+    from ray_jax_train.backend import _usable_cores
+
+    cores = _usable_cores()
+    return {"cpus": len(cores), "physical_cores": len({physical for _, physical in cores}),
+            "siblings": sorted({tuple(c for c, p in cores if p == physical) for _, physical in cores})}
+
+
+def _topology_note(topology) -> str:
+    if not topology:
+        return ""
+    pairs = [s for s in topology["siblings"] if len(s) > 1]
+    shown = ", ".join("+".join(map(str, s)) for s in pairs[:4]) + (" ..." if len(pairs) > 4 else "")
+    return (f" {topology['cpus']} CPUs on {topology['physical_cores']} physical cores"
+            + (f" (one core each: {shown})" if pairs else "") + ".")
+
+
 def markdown(report: Dict[str, Any]) -> str:
     lines = [f"Run {report['date']} on {report['machine']}; `{report['command']}`; {report['rounds']} rounds, "
-             f"{report['steps']} steps per throughput variant ({report['warmup']} warm-up steps not timed).", "",
+             f"{report['steps']} steps per throughput variant ({report['warmup']} warm-up steps not timed)."
+             + _topology_note(report.get("cpu_topology")), "",
              "| measurement | median [min–max] | target | met |", "| --- | --- | --- | --- |"]
     for name, s in report["summary"].items():
         target = f"≥ {s['target']:g}" if s.get("target") else "—"
@@ -627,7 +646,8 @@ def main(argv=None) -> Dict[str, Any]:
     if not ray.is_initialized():
         # 2 training workers + Ray Data tasks on a small machine: oversubscribe logical CPUs, as the tests do.
         ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "PYTHONPATH": HERE}})
+                 runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+                     [HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])}})  # keep packages found on PYTHONPATH
     _register_by_value()
     os.makedirs(args.out, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="suite_")
@@ -657,7 +677,7 @@ def main(argv=None) -> Dict[str, Any]:
         "size": ctx.size, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
         "log_every": args.log_every, "wall_s": time.time() - started,
         "summary": summarise(rounds), "variants": variant_stats(rounds), "raw_rounds": rounds,
-        "checkpoint": checkpoint, "gpu": gpu,
+        "checkpoint": checkpoint, "gpu": gpu, "cpu_topology": cpu_topology(),
     }
     with open(os.path.join(args.out, "suite.json"), "w") as f:
         json.dump(report, f, indent=2)

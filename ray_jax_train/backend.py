@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import shlex
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
 from ray.train._internal.utils import get_address_and_port
@@ -64,8 +64,10 @@ class JaxConfig(BackendConfig):
             loads its compiled programs instead of compiling them again.
         compilation_cache_dir: where that cache lives; None puts it in the run's storage directory,
             `<storage_path>/<name>/compilation_cache`, when that is a local or mounted filesystem.
-        cpu_affinity: pin each CPU worker to its own cores (local rank x CPUs per worker). XLA's CPU thread
-            pool sizes itself from the affinity mask, so without pinning N workers on one node oversubscribe it.
+        cpu_affinity: pin each CPU worker to its own cores (local rank x CPUs per worker). Workers on one node
+            get distinct physical cores where it has them: two hyperthreads of one core run far slower than two
+            cores. XLA's CPU thread pool sizes itself from the affinity mask, so without pinning N workers on one
+            node oversubscribe it.
             Opt-in: two trainers sharing a node (e.g. Tune trials) would pin onto the same cores.
         keep_cpu_memory: CPU workers start with glibc's allocator set to keep the memory XLA frees
             (`GLIBC_TUNABLES`: one arena, no mmap, no trimming). XLA:CPU allocates each step's temporaries as one
@@ -247,8 +249,49 @@ def _user_jax_platforms(config: JaxConfig, run_config) -> List[tuple]:
     return [(where, value.strip()) for where, value in found if value and value.strip()]
 
 
-def _usable_cores() -> List[int]:
-    return sorted(os.sched_getaffinity(0))
+def _usable_cores() -> List[Tuple[int, Tuple[int, int]]]:
+    """This node's usable logical CPUs, each with the physical core it runs on (its SMT siblings share that)."""
+    cores = []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+                physical = (int(package.read()), int(core.read()))
+        except (OSError, ValueError):
+            physical = (-1, cpu)  # no sysfs topology (some containers): each CPU counts as a core of its own
+        cores.append((cpu, physical))
+    return cores
+
+
+def plan_node_cores(cores: Sequence[Tuple[int, Tuple[int, int]]], workers: int, per_worker: int
+                    ) -> List[Optional[List[int]]]:
+    """The logical CPUs each of a node's workers (by local rank) is pinned to; None where the node runs short.
+
+    Hyperthreads of one core share its execution units: two workers pinned to siblings run at far less than
+    twice one. So where the node has a physical core per CPU asked for, each worker takes one thread of distinct
+    cores; where it has fewer, each takes whole cores (its own siblings), and only if even that runs short do
+    workers share a core."""
+    siblings: Dict[Tuple[int, int], List[int]] = {}
+    for cpu, physical in cores:
+        siblings.setdefault(physical, []).append(cpu)
+    groups = sorted(siblings.values())  # by each physical core's lowest CPU number
+    if workers * per_worker <= len(groups):
+        depth = max(len(g) for g in groups)
+        spread = [g[i] for i in range(depth) for g in groups if i < len(g)]
+        return [spread[r * per_worker:(r + 1) * per_worker] for r in range(workers)]
+    plan, left = [], list(groups)
+    for _ in range(workers):
+        mine: List[int] = []
+        while left and len(mine) < per_worker:
+            mine += left.pop(0)
+        if len(mine) < per_worker:
+            break
+        plan.append(mine[:per_worker])
+    if len(plan) == workers:
+        return plan
+    flat = [cpu for g in groups for cpu in g]
+    chunks = [flat[r * per_worker:(r + 1) * per_worker] for r in range(workers)]
+    return [c if len(c) == per_worker else None for c in chunks]
 
 
 def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_config=None) -> JaxConfig:
@@ -752,9 +795,8 @@ class _JaxBackend(Backend):
         node_cores = worker_group.execute(_usable_cores)
         plan = []
         for worker, usable in zip(worker_group.get_workers(), node_cores):
-            first = worker.distributed_context.local_rank * per_worker
-            mine = usable[first:first + per_worker]
-            plan.append(mine if len(mine) == per_worker else None)
+            context = worker.distributed_context
+            plan.append(plan_node_cores(usable, context.local_world_size, per_worker)[context.local_rank])
         if None in plan:
             logger.warning("cpu_affinity: a node has fewer cores than its workers ask for; not pinning there.")
         return plan

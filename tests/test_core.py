@@ -40,7 +40,8 @@ def _collectives_and_batches(config):
 
     out = {"process_count": jax.process_count(), "device_count": jax.device_count(),
            "local_device_count": jax.local_device_count(),
-           "compilation_cache_on": bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)}
+           "compilation_cache_on": bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir),
+           "cores": sorted(os.sched_getaffinity(0))}  # read in the training thread, where XLA's threads start
     # A loop written for Ray's JaxTrainer (which sets nothing up on CPU) joins the job itself: answered as done,
     # or refused naming the fix when it asks for another job (JAX said "must be called before any JAX calls").
     jax.distributed.initialize()
@@ -107,7 +108,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     out.mkdir()
     cleaners = _placement_group_cleaners()
     result = _fit(_collectives_and_batches, tmp_path, config={"out": str(out)},
-                  jax_config=rjt.JaxConfig(num_cpu_devices=2, compilation_cache=False),
+                  jax_config=rjt.JaxConfig(num_cpu_devices=2, compilation_cache=False, cpu_affinity=True),
                   datasets={"train": ray.data.range(32)})
     assert result.error is None
     # This cluster has no dashboard, so Ray Train's placement-group cleaner could only fail its State API query
@@ -134,6 +135,9 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     assert all(len(info["coordinator_warning"]) == 1 for info in ranks), ranks
     assert all("the workers hold different rows" in info.get("resumable_error", "") for info in ranks), ranks
     assert ranks[0]["pad_valid_rows"] == 10 and ranks[1]["pad_valid_rows"] == 23
+    # cpu_affinity: a core of its own for each worker (1 CPU each), on this machine of 2 or more cores.
+    assert len(ranks[0]["cores"]) == len(ranks[1]["cores"]) == 1
+    assert ranks[0]["cores"] != ranks[1]["cores"], ranks
     # Every row of the 32-row dataset is seen exactly once across both workers.
     seen = sorted(v for info in ranks for batch in info["local_rows"] for v in batch)
     assert seen == list(range(32))

@@ -1,5 +1,6 @@
 """Bad input fails early with a message that names the problem and the fix (driver side, no workers)."""
 import logging
+import os
 
 import jax
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from ray.train import ScalingConfig
 
 import ray_jax_train as rjt
-from ray_jax_train.backend import assigned_gpus, multislice_env, resolve_jax_config
+from ray_jax_train.backend import _usable_cores, assigned_gpus, multislice_env, plan_node_cores, resolve_jax_config
 from ray_jax_train.data import check_batch_size
 
 
@@ -19,6 +20,26 @@ def _loop(config):
 def test_num_cpu_devices_must_be_positive(bad):
     with pytest.raises(ValueError, match="num_cpu_devices"):
         rjt.JaxConfig(num_cpu_devices=bad)
+
+
+def test_cpu_affinity_puts_workers_on_distinct_physical_cores():
+    """Topologies written out: this 2-core VM has no hyperthreads (test_core pins real workers on it)."""
+    # 8 cores x 2 threads, Linux's usual numbering: cpu i and i + 8 are one core.
+    smt = [(cpu, (0, cpu % 8)) for cpu in range(16)]
+    assert plan_node_cores(smt, 2, 1) == [[0], [1]]
+    assert plan_node_cores(smt, 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # The siblings adjacent (cpu 2k and 2k + 1 one core), as some VMs number them: 1 and 2, not 0 and 1.
+    adjacent = [(cpu, (0, cpu // 2)) for cpu in range(16)]
+    assert plan_node_cores(adjacent, 2, 1) == [[0], [2]]
+    # More CPUs asked for than physical cores: whole cores per worker, no core split between two.
+    assert plan_node_cores(smt, 3, 3) == [[0, 8, 1], [2, 10, 3], [4, 12, 5]]
+    assert plan_node_cores(smt, 4, 4) == [[0, 8, 1, 9], [2, 10, 3, 11], [4, 12, 5, 13], [6, 14, 7, 15]]
+    # Short even of whole cores (5 x 3 = 15 of 16 threads): workers share, none left unpinned.
+    assert all(len(c) == 3 for c in plan_node_cores(smt, 5, 3))
+    # Too few CPUs: the ranks past them are not pinned.
+    assert plan_node_cores([(0, (0, 0)), (1, (0, 1))], 3, 1) == [[0], [1], None]
+    # This machine's own topology reads, one entry per usable CPU.
+    assert [cpu for cpu, _ in _usable_cores()] == sorted(os.sched_getaffinity(0))
 
 
 def test_unknown_platform():
