@@ -15,7 +15,8 @@ Six stages, each in a process of its own with a time limit, so one that fails or
   4. `mfu_gpu.py --sizes 1b --attention cudnn`: TinyLlama-1.1B shaped, batch 4 x 2048, then batch 8.
   5. `ray-jax-train fit` of the same config at ~1B (TinyLlama's shape, the trained 8k vocabulary, batch 8 x 2048,
      60 steps, no checkpoint): the loop at the second size.
-`--loops-only` runs stages 0, 2 and 5.
+`--loops-only` runs stages 0, 2 and 5. `--cpu-suite VARIANT...` runs none of them: only `suite.py`'s CPU variants
+on that machine's idle cores (JAX on CPU), e.g. `--cpu-suite bare in_worker ours scale1 scale2` for (a) and (d).
 
     python benchmarks/gpu_session.py --out bench_out/gpu                  # a GPU machine with the stack installed
     python benchmarks/gpu_session.py --smoke --out /tmp/gpu_smoke          # CPU, tiny sizes: checks that it runs

@@ -398,6 +398,12 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
         build_lm_dataset(datasets.Dataset.from_list([{"messages": blank}, {"messages": CHAT}]),
                          str(tmp_path / "tok"), 128)
     assert "1 of the first 2 conversations have an assistant turn with empty content" in caplog.text
+    assert "have no conversation" not in caplog.text
+    # A row without a conversation is skipped: counted in the warning, not silent (a review: dropped uncounted).
+    with caplog.at_level("WARNING"):
+        build_lm_dataset(datasets.Dataset.from_list([{"messages": CHAT}, {"messages": []}, {"messages": []}]),
+                         str(tmp_path / "tok"), 128)
+    assert "2 of the first 3 rows have no conversation ('messages' empty or null, no 'text' either)" in caplog.text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

@@ -150,7 +150,7 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         _check_first_document(dataset, first[0], tok, resolved, text_column=text_column,
                               messages_column=messages_column)
         if kind == "messages":
-            _warn_about_sampled_conversations(dataset, tok, seq_len, messages_column)
+            _warn_about_sampled_conversations(dataset, tok, seq_len, messages_column, text_column)
     # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
     # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
     # constructor args (keeping actor restarts possible) instead of resolving it.
@@ -216,11 +216,12 @@ def _check_first_document(dataset, first_row: Mapping[str, Any], tokenizer, reso
 _SAMPLED_CONVERSATIONS = 64
 
 
-def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: str) -> None:
+def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: str, text_column: str = "text"
+                                      ) -> None:
     """What trains silently wrong in chat data, counted in the first conversations, rendered here on the driver:
     a conversation longer than a row is split into pieces trained apart (an answer past the cut no longer sees
-    its question: right for long text, harmful for fine-tuning on chats), and an assistant turn with empty content
-    teaches the model to end its turn at once."""
+    its question: right for long text, harmful for fine-tuning on chats), an assistant turn with empty content
+    teaches the model to end its turn at once, and a row with no conversation (and no text) is skipped."""
     import logging
 
     rows = dataset.take(_SAMPLED_CONVERSATIONS)
@@ -230,9 +231,13 @@ def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: 
         value = value.tolist() if hasattr(value, "tolist") else value
         if isinstance(value, (list, tuple)) and value:
             conversations.append(list(value))
+    log = logging.getLogger(__name__)
+    skipped = sum(not _has_document(row, text_column=text_column, messages_column=column) for row in rows)
+    if skipped:
+        log.warning("%d of the first %d rows have no conversation (%r empty or null, no %r either): they are skipped, "
+                    "not trained on. Is that file's chat under another key?", skipped, len(rows), column, text_column)
     if not conversations:
         return
-    log = logging.getLogger(__name__)
     empty = sum(any(isinstance(m, Mapping) and m.get("role") == "assistant" and not str(m.get("content") or "").strip()
                     for m in conv) for conv in conversations)
     if empty:
