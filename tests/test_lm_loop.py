@@ -144,6 +144,18 @@ def test_training_arguments_reject_bad_values():
     assert args.dtype == "bfloat16" and args.steps_for_rows(20) == 6
 
 
+def test_rows_past_the_last_whole_batch_of_an_epoch_are_counted(caplog):
+    from ray_jax_train.lm.data import _say_rows_left_out
+
+    with caplog.at_level("INFO", logger="ray_jax_train.lm.data"):
+        _say_rows_left_out(20, 8)  # 4 of 20 sit out every epoch: a fifth, a warning
+        _say_rows_left_out(1000, 8)
+        _say_rows_left_out(1003, 8)  # 3 of 1003: said, quietly
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said[0][0] == "WARNING" and "4 of the 20 packed training rows are left out of every epoch" in said[0][1]
+    assert len(said) == 2 and said[1][0] == "INFO" and "3 of the 1003" in said[1][1], said
+
+
 def test_schedule_warms_up_then_decays():
     from ray_jax_train.lm.step import make_schedule
     args = TrainingArguments(total_steps=100, learning_rate=1.0, warmup_steps=10, min_learning_rate_ratio=0.1)

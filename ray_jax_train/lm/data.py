@@ -110,7 +110,9 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
         # Eval runs again and again over the same few rows: tokenise them once (and count them, below).
         datasets["eval"] = _in_order(datasets["eval"])
     if args.total_steps is None:
-        total_steps = args.steps_for_rows(datasets["train"].count())
+        rows = datasets["train"].count()
+        total_steps = args.steps_for_rows(rows)
+        _say_rows_left_out(rows, args.batch_size)
     else:
         total_steps = args.total_steps
         if isinstance(datasets["train"], MaterializedDataset):  # counted for free: too little fails here,
@@ -128,6 +130,17 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
                          "warmup_steps or train longer.")
     args.check_profile_window(total_steps)
     return datasets, columns, total_steps
+
+
+def _say_rows_left_out(rows: int, batch_size: int) -> None:
+    """Each epoch trains whole global batches: the rows past the last one sit out every epoch. Said, loudly when
+    they are a tenth of the data or more (a small set with a large batch)."""
+    left_out = rows % batch_size
+    if left_out:
+        level = logging.WARNING if left_out * 10 >= rows else logging.INFO
+        logger.log(level, "%d of the %d packed training rows are left out of every epoch: each epoch trains whole "
+                   "global batches of %d. A batch_size that divides the row count trains on all of them.",
+                   left_out, rows, batch_size)
 
 
 def _loss_tokens(dataset) -> int:
