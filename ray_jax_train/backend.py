@@ -555,6 +555,10 @@ def _setup_worker(
                                     f"{num_processes} (coordinator {coordinator}): {exc}") from exc
     _state.config = config
     _answer_a_second_initialize(num_processes, process_id, coordinator)
+    if num_processes > 1:
+        from ray_jax_train.checkpoint import orbax_guard
+
+        orbax_guard.install()  # a directory per worker (Ray's checkpoint guide) is refused, not left to hang
     try:
         return {
             "process_index": jax.process_index(),

@@ -672,6 +672,22 @@ def dropin_mistakes_loop(config):
         if rank == 0:
             ckpt.save(1, state)
     elif mode == "state":
+        # orbax's own save, Ray's checkpoint guide's way: a directory per worker is refused before orbax writes
+        # (it hung in wait_until_finished, or reported an unfinished save); one directory for all still saves.
+        import tempfile
+
+        import orbax.checkpoint as ocp
+
+        plain = {"w": jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P()))}
+        try:
+            ocp.StandardCheckpointer().save(os.path.join(tempfile.mkdtemp(), "state"), plain)
+        except ValueError as exc:
+            record["per_worker_orbax"] = str(exc)
+        with ocp.StandardCheckpointer() as orbax_ckpt:
+            orbax_ckpt.save(os.path.join(out, "orbax_shared", "state"), plain)
+            orbax_ckpt.wait_until_finished()
+            record["shared_orbax"] = np.asarray(orbax_ckpt.restore(
+                os.path.join(out, "orbax_shared", "state"), plain)["w"].addressable_data(0)).tolist()
         try:
             ckpt.save(1, state, data_state={0: 5})
         except TypeError as exc:
@@ -797,6 +813,9 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     record = json.loads((tmp_path / "state.json").read_text())
     assert "data_state={0: 5} does not survive JSON unchanged (it comes back as {'0': 5})" in record["data_state"]
     assert record["restored"] == list(range(8))
+    assert "orbax's save was called with a different directory on each worker (process 0: " in \
+        record["per_worker_orbax"] and "rjt.save_and_report" in record["per_worker_orbax"], record
+    assert record["shared_orbax"] == list(range(8))
     assert record["restored_local"] == [list(range(8)), True]
     assert "['step'], ['w'] (2 leaves) are ShapeDtypeStructs with no sharding" in record["no_sharding"]
     assert "abstract_state(state)" in record["no_sharding"]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ray_jax_train.checkpoint import _s3, _sync, signals
+from ray_jax_train.checkpoint import _s3, _sync, orbax_guard, signals
 
 logger = logging.getLogger(__name__)
 
@@ -930,7 +930,7 @@ class JaxCheckpointer:
         # in flight (two collective programs at once can deadlock gloo). Orbax copies the arrays to host
         # before returning anyway, so waiting for them here costs nothing.
         jax.block_until_ready(state)
-        with self._lock:
+        with self._lock, orbax_guard.unchecked():
             self._finish_pending()
             self._checkpointer().save(
                 location.uri,
