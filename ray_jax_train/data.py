@@ -246,7 +246,9 @@ def _skipped(batches, skip: int):
     if skip > available:
         logger.warning("iter_jax_batches(skip_batches=%d): the data holds only %d global batches, so this iterator "
                        "gives none. A resume's saved position that no longer fits the data (other data or another "
-                       "batch_size than the run saved it with) does this.", skip, available)
+                       "batch_size than the run saved it with) does this, as does a count of batches kept across "
+                       "epochs: skip_batches is a position within one epoch (save the epoch beside it).",
+                       skip, available)
 
 
 class _RowCount:
