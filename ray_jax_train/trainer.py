@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import ray
 from ray.train import DataConfig
-from ray.train.v2._internal.execution.callback import ReportCallback, TrainContextCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import (ControllerCallback, ReportCallback, TrainContextCallback,
+                                                       WorkerGroupCallback)
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -149,8 +150,68 @@ class JaxTrainer(DataParallelTrainer):
         signal.signal(signal.SIGINT, note_then_abort)
 
     def _create_default_callbacks(self):
-        return _without_blind_cleaner(super()._create_default_callbacks()) + [AbortIsNoPreemption(),
-                                                                               LatestMetrics(), ReportBarrierMarks()]
+        return _without_blind_cleaner(super()._create_default_callbacks()) + [
+            AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits()]
+
+
+class SaysWhyItWaits(ControllerCallback):
+    """A worker group Ray cannot place (a node lost, another job holding the resources) is retried every
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (60 s) without end and without a word of ours: the run looked hung, or
+    crashed, to whoever watched its log (an ops review). Each failed placement now says what it waits for."""
+
+    def __init__(self):
+        self._scaling = None
+        self._waits = 0
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._scaling = getattr(train_run_context, "scaling_config", None)
+        logging_config = getattr(getattr(train_run_context, "run_config", None), "logging_config", None)
+        level = logging.getLevelName(str(getattr(logging_config, "log_level", "INFO")).upper())
+        if isinstance(level, int) and level >= logging.WARNING:  # a quiet run (the CLI's): our line, not Ray's pages
+            for name in _PLACEMENT_TRACEBACK_LOGGERS:
+                logging.getLogger(name).addFilter(_not_a_placement_timeout)
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+        error = getattr(current_state, "training_failed_error", None)
+        if not isinstance(getattr(error, "controller_failure", None), WorkerGroupStartupTimeoutError):
+            self._waits = 0 if type(current_state).__name__ == "RunningState" else self._waits
+            return
+        self._waits += 1
+        logger.warning("ray-jax-train: %s", waiting_message(self._scaling, self._waits))
+
+
+# Ray's controller logs each failed placement with its whole traceback, twice (the control loop, the failure policy).
+_PLACEMENT_TRACEBACK_LOGGERS = ("ray.train.v2._internal.execution.controller.controller",
+                                "ray.train.v2._internal.execution.failure_handling.default")
+
+
+def _not_a_placement_timeout(record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+        text += f" {record.exc_info[1]}"
+    return "worker group startup timed out" not in text
+
+
+def waiting_message(scaling, waits: int) -> str:
+    """What a run waits for when Ray cannot place its workers, against what the cluster has free now."""
+    per_worker = dict(scaling.resources_per_worker or {}) if scaling is not None else {}
+    if scaling is not None and not per_worker:
+        per_worker = {"GPU": 1} if scaling.use_gpu else {"CPU": 1}
+    workers = getattr(scaling, "num_workers", "?")
+    try:
+        free = {k: round(v, 2) for k, v in sorted(ray.available_resources().items())
+                if k in per_worker or k == "CPU"}
+        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    except Exception:  # noqa: BLE001 - the note only: Ray's own state may be out of reach
+        free, alive = {}, "?"
+    every = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
+    return (f"the workers cannot be placed ({waits} attempt(s), one every {every:g} s): {workers} x {per_worker} "
+            "needed, and "
+            f"the cluster's {alive} live node(s) have {free} free now. A lost node, or another job holding them? Ray "
+            "keeps trying until they are free (a node comes back, the autoscaler adds one, the other job ends); stop "
+            "the run (Ctrl-C, ray job stop) to give up: it resumes from its latest checkpoint when run again.")
 
 
 class LatestMetrics(ReportCallback):

@@ -620,3 +620,43 @@ def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.data"):  # bf16 (numpy kind "V") is exact to 256
         _select({"bf": np.arange(300)}, None, {"bf": jnp.bfloat16})
     assert "past bfloat16's exact range (+-256)" in caplog.text
+
+
+def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, caplog):
+    """Ray retries a placement that times out every minute without end (a lost node, another job holding the CPUs);
+    the controller said nothing of ours, and a quiet run printed Ray's traceback twice a minute (an ops review). The
+    callback is driven here with Ray's own state and error objects; the controller calls it the same way."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState, RunningState
+    from ray.train.v2.api.config import LoggingConfig
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from ray_jax_train.trainer import _PLACEMENT_TRACEBACK_LOGGERS, SaysWhyItWaits
+
+    class Context:  # what the controller passes: the run's scaling and run configs
+        scaling_config = ScalingConfig(num_workers=3, resources_per_worker={"CPU": 2})
+        run_config = RunConfig(logging_config=LoggingConfig(log_level="WARNING"))
+
+    callback = SaysWhyItWaits()
+    callback.after_controller_start(Context())
+    waiting = ReschedulingState(ControllerError(WorkerGroupStartupTimeoutError(3)))
+    with caplog.at_level("WARNING", logger="ray_jax_train.trainer"):
+        callback.after_controller_state_update(None, waiting)
+        callback.after_controller_state_update(waiting, waiting)
+        callback.after_controller_state_update(waiting, RunningState())
+        callback.after_controller_state_update(None, waiting)
+    said = [r.getMessage() for r in caplog.records if r.name == "ray_jax_train.trainer"]
+    assert len(said) == 3 and "the workers cannot be placed (2 attempt(s), one every 60 s): 3 x {'CPU': 2} needed" \
+        in said[1] and "live node(s) have {'CPU': " in said[1], said
+    assert "(1 attempt(s)" in said[2]  # counted afresh once the group had started
+    # Ray's traceback of the same timeout is left out of a quiet run's log; its other errors are not.
+    logger = logging.getLogger(_PLACEMENT_TRACEBACK_LOGGERS[0])
+    try:
+        timed_out = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Error in control loop iteration: %s",
+                                      (WorkerGroupStartupTimeoutError(3),), None)
+        other = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Error: %s", ("disk full",), None)
+        assert not logger.filter(timed_out) and logger.filter(other)
+    finally:
+        for name in _PLACEMENT_TRACEBACK_LOGGERS:
+            for f in list(logging.getLogger(name).filters):
+                logging.getLogger(name).removeFilter(f)
