@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -317,14 +318,30 @@ def _error_line(exc: BaseException) -> str:
         cause = cause.__cause__
     failures = getattr(cause, "worker_failures", None)
     if failures:
-        cause = failures[min(failures)]
+        rank = min(failures)
+        cause = failures[rank]
         lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
         message = lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+        lost = getattr(cause, "health_check_failure", None)
+        if lost is not None:  # the worker's process or node died: Ray's first line named neither rank nor cause
+            message = f"{message} {_lost_worker(rank, lost)}"
     else:
         text = str(cause).strip().splitlines()
         message = text[-1] if text else ""
     message = message if len(message) <= 600 else message[:600] + " ..."
     return f"{type(cause).__name__}: {message}"
+
+
+def _lost_worker(rank: int, failure: BaseException) -> str:
+    """Which worker, where, and Ray's reason, from the error of a worker that died or stopped answering."""
+    text = str(failure)
+    found = {key: re.search(rf"^\s*{key}: (\S+)", text, re.M) for key in ("pid", "ip")}
+    where = " on ".join(m.group(1) for m in (found["pid"], found["ip"]) if m)
+    reason = next((line.strip() for line in text.splitlines() if "dead because" in line or "exit detail" in line
+                   or "was killed" in line.lower()), "")
+    reason = _shortened(reason, 300) if reason else type(failure).__name__
+    return (f"Worker {rank}{f' (pid {where})' if where else ''}: {reason} A killed process, a lost node or memory "
+            "running out does this; the other workers' JAX aborts that follow are its consequence.")
 
 
 def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:

@@ -449,6 +449,28 @@ def test_a_failed_trial_s_error_is_shortened_at_a_sentence_end():
     assert _shortened("x" * 20 + " word" * 60, 100).endswith("word [...]")
 
 
+def test_a_worker_that_died_is_named_with_its_process_and_ray_s_reason():
+    """Ray's WorkerHealthCheckFailedError's first line (all the summary kept) named no rank, pid, node or cause (an
+    ops review). The errors are Ray's own classes, built as its controller builds them."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_jax_train.cli import _error_line
+
+    died = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: "
+                                   "RayTrainWorker\n\tpid: 4242\n\tip: 10.0.0.7\nThe actor is dead because its worker "
+                                   "process has died. Worker exit type: UNEXPECTED_SYSTEM_EXIT Worker exit detail: "
+                                   "Worker unexpectedly exits with a connection error code 2.")
+    lost = WorkerHealthCheckFailedError("A worker health check failed.", failure=died)
+    line = _error_line(WorkerGroupError("...", {1: lost}))
+    assert line.startswith("WorkerHealthCheckFailedError: A worker health check failed. ..."), line
+    assert "Worker 1 (pid 4242 on 10.0.0.7): The actor is dead because its worker process has died." in line, line
+    assert "a lost node" in line
+    plain = _error_line(WorkerGroupError("...", {0: ValueError("bad batch\nmore")}))
+    assert plain == "ValueError: bad batch ...", plain
+
+
 def test_entry_points(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "ray-jax-train")
     done = subprocess.run([script, "config", "validate", TINY], capture_output=True, text=True, timeout=120)
