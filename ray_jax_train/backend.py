@@ -299,6 +299,7 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
     config = dataclasses.replace(jax_config) if jax_config is not None else JaxConfig()
     config.use_tpu = bool(config.use_tpu or scaling_config.use_tpu)
     config.use_gpu = bool(config.use_gpu or scaling_config.use_gpu)
+    asked_by = "JaxConfig(platform=...)"
     if config.platform is None:
         if config.use_tpu:
             config.platform = "tpu"
@@ -306,11 +307,14 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             config.platform = "gpu"
         else:
             config.platform = _platform_from_env(config, run_config) or "cpu"
+            asked_by = _jax_platforms_source(config, run_config) or asked_by
+    fix_env = (" (in a CLI config: scaling.use_gpu: true, or --set scaling.use_gpu=true), or JAX_PLATFORMS=cpu"
+               if asked_by.startswith("JAX_PLATFORMS") else ", or platform='cpu'")
     if config.platform == "gpu" and not _requests_gpus(scaling_config):
         raise ValueError(
-            "JaxConfig(platform='gpu', or 'cuda', its other name) but the ScalingConfig gives the workers no GPU, so "
-            "JAX would find none. "
-            "Use ScalingConfig(use_gpu=True) (with resources_per_worker={'GPU': n} for n per worker), or platform='cpu'."
+            f"{asked_by} asks for GPU workers (platform 'gpu', or 'cuda', its other name), but the ScalingConfig gives "
+            "the workers no GPU, so JAX would find none. Use ScalingConfig(use_gpu=True) (with "
+            f"resources_per_worker={{'GPU': n}} for n per worker){fix_env}."
         )
     if config.platform == "gpu":
         gpus = _gpus_per_worker(scaling_config)
@@ -325,8 +329,9 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
                        ", ".join(cpu_only), config.platform.upper())
     if config.platform == "tpu" and not scaling_config.use_tpu:
         raise ValueError(
-            "JaxConfig(platform='tpu') but ScalingConfig(use_tpu=False): Ray would not schedule the workers on "
-            "TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)."
+            f"{asked_by} asks for TPU workers, but ScalingConfig(use_tpu=False): Ray would not schedule the workers "
+            "on TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)"
+            + (", or JAX_PLATFORMS=cpu." if asked_by.startswith("JAX_PLATFORMS") else ".")
         )
     for where, value in _user_jax_platforms(config, run_config):
         if not _leads_with(value, config.platform):
@@ -440,6 +445,18 @@ def _platform_from_env(config: JaxConfig, run_config) -> Optional[str]:
     value = (values or [os.environ.get("JAX_PLATFORMS", "")])[0]
     first = value.split(",")[0].strip().lower()
     return _PLATFORM_FROM_JAX.get(first) if first else None
+
+
+def _jax_platforms_source(config: JaxConfig, run_config) -> Optional[str]:
+    """`JAX_PLATFORMS='cuda' (set in <where>)` for the value that decided the platform, if one did."""
+    found = _user_jax_platforms(config, run_config)
+    if found:
+        where, value = found[0]
+    elif os.environ.get("JAX_PLATFORMS", "").strip():
+        where, value = "this process's environment: exported, or a job's runtime_env", os.environ["JAX_PLATFORMS"]
+    else:
+        return None
+    return f"JAX_PLATFORMS={value.strip()!r} (set in {where})"
 
 
 def multislice_env(num_workers: int, num_slices: int, workers_per_slice: int, coordinator_ip: str) -> List[dict]:

@@ -82,7 +82,12 @@ def test_platform_follows_scaling_config_and_env(monkeypatch):
     assert resolve_jax_config(None, ScalingConfig(num_workers=1)).platform == "cpu"
     assert resolve_jax_config(None, ScalingConfig(num_workers=1, use_gpu=True)).platform == "gpu"
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    with pytest.raises(ValueError, match="no GPU"):
+    # Named as the user set it (a job's runtime_env, say), with the CLI's key: not a JaxConfig they never wrote.
+    with pytest.raises(ValueError, match=r"JAX_PLATFORMS='cuda,cpu' \(set in this process's environment.*no GPU.*"
+                                         r"--set scaling.use_gpu=true\), or JAX_PLATFORMS=cpu"):
+        resolve_jax_config(None, ScalingConfig(num_workers=1))
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    with pytest.raises(ValueError, match=r"JAX_PLATFORMS='tpu' .* asks for TPU workers.*or JAX_PLATFORMS=cpu"):
         resolve_jax_config(None, ScalingConfig(num_workers=1))
     # An explicit platform wins over the environment.
     assert resolve_jax_config(rjt.JaxConfig(platform="cpu"), ScalingConfig(num_workers=1)).platform == "cpu"
