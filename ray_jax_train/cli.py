@@ -242,14 +242,27 @@ def _resume_point(run_dir: str) -> str:
     return f"(from the checkpoint of step {step})" if step is not None else f"(from {checkpoint})"
 
 
-def _warn_if_in_ray_package_cache(path: str) -> None:
+def _check_storage_not_in_job_copy(path: str) -> None:
+    """A storage path in the job's copy of its working directory: a warning on one node; refused (exit 2) before
+    anything is written where the cluster has several, since that copy is this node's alone (the workers found it
+    about 30 s in, after the driver had written the tokenizer there)."""
+    from ray_jax_train.run_config import ConfigError
     from ray_jax_train.storage import in_ray_package_cache
 
-    if in_ray_package_cache(path):
-        logging.getLogger("ray_jax_train").warning(
-            "%s is inside this job's copy of its --working-dir, which Ray deletes with its cache; a resubmitted job "
-            "gets another copy and would start over instead of resuming. Set run.storage_path to an absolute path "
-            "(or a URI) that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
+    if not in_ray_package_cache(path):
+        return
+    import ray
+
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive")) if ray.is_initialized() else 1
+    if nodes > 1:
+        raise ConfigError(
+            f"run.storage_path: {path} is inside this job's copy of its --working-dir, which this node alone has; the "
+            f"cluster has {nodes} nodes, and workers on the others could not write their checkpoints there. Set an "
+            "absolute path (or a URI) that every node sees: --set run.storage_path=/mnt/shared/runs.")
+    logging.getLogger("ray_jax_train").warning(
+        "%s is inside this job's copy of its --working-dir, which Ray deletes with its cache; a resubmitted job gets "
+        "another copy and would start over instead of resuming. Set run.storage_path to an absolute path (or a URI) "
+        "that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
 
 
 def cmd_fit(args) -> int:
@@ -260,6 +273,7 @@ def cmd_fit(args) -> int:
     check_data_columns(config)  # before Ray starts
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
+    _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
     started = time.time()
     import ray.exceptions
 
@@ -280,7 +294,6 @@ def cmd_fit(args) -> int:
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
     _say_it_resumes(info)
-    _warn_if_in_ray_package_cache(info["run_dir"])
     said = {"resume": False}
     try:
         with _sigterm_interrupts(_resume_hint(args, info["name"])) as said:
@@ -411,7 +424,7 @@ def cmd_tune(args) -> int:
     if resume:
         tune.can_resume(config, warn=False)  # a changed config is refused before Ray starts; tune.run warns
     _connect(config, args.address, args.verbose)
-    _warn_if_in_ray_package_cache(config.with_absolute_paths().run.storage_path)
+    _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
     started = time.time()
     command = ("ray-jax-train tune " + shlex.quote(args.config)
                + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")

@@ -173,6 +173,13 @@ def test_job_submit_trains_across_two_nodes(ray_cluster, two_node_cluster, tmp_p
     # A plain training script (no CLI), written for one machine, runs unchanged as a job: it joins the job's cluster
     # instead of asking for a local Ray of its own size, which Ray refuses once RAY_ADDRESS names a cluster.
     shutil.copy(os.path.join(REPO, "examples", "mlp_data_parallel.py"), workdir)
+    # A relative storage path lands in the job's copy of its working directory, which only the head has: refused
+    # before the driver writes anything (the workers found it about 30 s in). Runs beside the next job.
+    local = [a if not a.startswith("run.storage_path=") else "run.storage_path=runs" for a in entrypoint]
+    subprocess.run(
+        [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
+         "--submission-id", "rjt-job-copy", "--no-wait", "--", *local],
+        env=env, capture_output=True, text=True, timeout=180, check=True)
     subprocess.run(
         [os.path.join(BIN, "ray"), "job", "submit", "--address", url, "--working-dir", str(workdir),
          "--submission-id", "rjt-script", "--no-wait", "--", "python", "mlp_data_parallel.py", "--steps", "10",
@@ -182,6 +189,11 @@ def test_job_submit_trains_across_two_nodes(ray_cluster, two_node_cluster, tmp_p
     logs = client.get_job_logs("rjt-script")
     assert client.get_job_status("rjt-script") == JobStatus.SUCCEEDED, logs[-4000:]
     assert "done: 2 workers, 10 steps" in logs
+    _wait(lambda: client.get_job_status("rjt-job-copy") in terminal, 120, "job with storage in its working dir")
+    logs = client.get_job_logs("rjt-job-copy")
+    assert client.get_job_status("rjt-job-copy") == JobStatus.FAILED, logs[-4000:]
+    assert "inside this job's copy of its --working-dir, which this node alone has; the cluster has 2 nodes" in logs
+    assert "[ray-jax-train] run two-nodes:" not in logs, logs[-4000:]  # refused before the run was built
 
     # And the curves of that run plot from its directory.
     from ray_jax_train.cli import main
