@@ -182,16 +182,21 @@ class SaysWhyItWaits(ControllerCallback):
         logger.warning("ray-jax-train: %s", waiting_message(self._scaling, self._waits))
 
 
-# Ray's controller logs each failed placement with its whole traceback, twice (the control loop, the failure policy).
+# Ray's controller logs each failed placement with its whole traceback, twice (the control loop, the failure policy);
+# and a stopped Tune trial's dead report queue, once.
 _PLACEMENT_TRACEBACK_LOGGERS = ("ray.train.v2._internal.execution.controller.controller",
                                 "ray.train.v2._internal.execution.failure_handling.default")
 
 
 def _not_a_placement_timeout(record: logging.LogRecord) -> bool:
+    """False for Ray's pages that a quiet run's log replaces or needs not: a failed placement (our line says it),
+    and a Tune trial stopped by its scheduler, whose report queue dies with its placement group (the search's
+    summary says it was stopped; 40 lines of traceback in a search that went well read as a crash: an ops review)."""
     text = record.getMessage()
     if record.exc_info and record.exc_info[1] is not None:
         text += f" {record.exc_info[1]}"
-    return "worker group startup timed out" not in text
+    stopped_trial = "_QueueActor" in text and "placement group was removed" in text
+    return "worker group startup timed out" not in text and not stopped_trial
 
 
 def waiting_message(scaling, waits: int) -> str:
