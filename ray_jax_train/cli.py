@@ -265,6 +265,24 @@ def _check_storage_not_in_job_copy(path: str) -> None:
         "that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
 
 
+RUN_CONFIG = "config.yaml"
+
+
+def _keep_config(config, run_dir: str) -> None:
+    """The effective config (overrides applied, defaults filled in, paths absolute) in the run's directory: the run
+    can be read, and run again, from there once the file it came from has changed (a review: only the terminal's
+    resume line recorded it)."""
+    from ray_jax_train.run_config import dump
+    from ray_jax_train.storage import local_dir_for
+
+    try:
+        with local_dir_for(run_dir) as local:
+            with open(os.path.join(local, RUN_CONFIG), "w") as f:
+                f.write(dump(config.with_absolute_paths()))
+    except OSError as exc:  # the run itself matters more: storage problems are reported where they stop it
+        logging.getLogger("ray_jax_train").warning("Could not write %s/%s: %s", run_dir, RUN_CONFIG, exc)
+
+
 def cmd_fit(args) -> int:
     from ray_jax_train.run_config import (ConfigError, build_trainer, check_cluster_fits, check_data_columns,
                                           load_config, read_error)
@@ -293,6 +311,7 @@ def cmd_fit(args) -> int:
         raise ConfigError(read_error(exc)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
+    _keep_config(config, info["run_dir"])
     _say_it_resumes(info)
     said = {"resume": False}
     try:

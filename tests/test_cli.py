@@ -325,6 +325,11 @@ def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster,
     assert code == 1
     assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
     assert f"resume:  ray-jax-train fit {TINY} --set run.name=x" in err  # e.g. once a lost node is back
+    # The run's directory keeps its effective config, paths absolute, which reads back as the same run.
+    from ray_jax_train.run_config import dump, load_config
+
+    kept = (tmp_path / "config.yaml").read_text()
+    assert kept == dump(load_config(TINY).with_absolute_paths()) == dump(load_config(str(tmp_path / "config.yaml")))
 
     # Ray cuts the middle out of long worker errors in WorkerGroupError's text: the workers' own error is named.
     from ray.train import WorkerGroupError

@@ -225,6 +225,12 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     with pytest.raises(ValueError, match=r"profile_start_step=3 is after the last step \(2 steps\)"):
         trainer.train(1, args.model_copy(update={"total_steps": None, "num_epochs": 1, "batch_size": 4,
                                                  "profile_start_step": 3}), packed_rows(4))
+    # total_steps with num_epochs: total_steps wins, said (the run's length silently ignored the epochs: a review).
+    with caplog.at_level("WARNING", logger="ray_jax_train.lm.data"), \
+            pytest.raises(ValueError, match=r"profile_start_step=3 is after the last step \(1 steps\)"):
+        trainer.train(1, args.model_copy(update={"total_steps": 1, "num_epochs": 2, "profile_start_step": 3}),
+                      packed_rows(4))
+    assert "num_epochs=2 is ignored: total_steps=1 sets the run's length" in caplog.text
     with pytest.raises(ValueError, match="profile_start_step=2 is after the last step"):
         TrainingArguments(total_steps=1, profile_start_step=2)
     with pytest.raises(FileNotFoundError, match="checkpoint_path: .*nowhere does not exist: give a Hugging Face"):

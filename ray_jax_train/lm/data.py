@@ -90,6 +90,10 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
 
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
+    if args.total_steps is not None and args.num_epochs is not None:
+        logger.warning("num_epochs=%d is ignored: total_steps=%d sets the run's length. To train by epochs, leave "
+                       "total_steps out (in a CLI config: --set training.total_steps=null).", args.num_epochs,
+                       args.total_steps)
     train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
                                            max_position_embeddings=max_position_embeddings, what=names[0],
                                            vocab_size=vocab_size)

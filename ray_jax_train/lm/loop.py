@@ -88,7 +88,6 @@ def _is_terminal(stream) -> bool:
 
 def train_loop_per_worker(config: Dict[str, Any]) -> None:
     import jax
-    import jax.numpy as jnp
     import ray.train
 
     from ray_jax_train.config import LlamaConfig
@@ -178,7 +177,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     # The model's activation sharding constraints apply only with the mesh in context when the steps trace.
     train_step = _with_mesh(mesh, step_fn)
-    eval_step = _with_mesh(mesh, jax.jit(make_eval_step(graphdef)))
+    # Replicated out: each process reads its sums locally, with no program of their own (see evaluate).
+    eval_step = _with_mesh(mesh, jax.jit(make_eval_step(graphdef),
+                                         out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device)
     outputs = RunOutputs.of_this_run()
@@ -209,6 +210,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     profiler.skip_resumed(step)
 
     def evaluate() -> Dict[str, float]:
+        # Two different programs with collectives in flight at once deadlock gloo on a CPU mesh with sub-group
+        # collectives (tp): a device thread starts the second program's collective while another still runs the
+        # first's (a review: fsdp2 x tp2 with eval hung in 3 of 3 runs). So the step just dispatched finishes
+        # first, and the eval sums are added up on the host, not by a program in flight beside the eval steps.
+        jax.block_until_ready(state)
         batch_size = args.eval_batch_size or args.micro_batch_size
         sums = []
         batches = iter_jax_batches("eval", batch_size=batch_size, mesh=mesh, columns=columns, remainder="pad",
@@ -222,7 +228,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 "The eval dataset gave no batch: Ray splits it equally, rows // workers to each, so it needs at "
                 f"least one packed row per worker ({jax.process_count()} processes). Give more eval text, or "
                 "fewer workers.")
-        loss_sum, tokens = (float(x) for x in jax.device_get(jnp.sum(jnp.asarray(sums), axis=0)))
+        loss_sum, tokens = (float(x) for x in np.sum(np.stack(jax.device_get(sums)), axis=0, dtype=np.float64))
         loss = loss_sum / max(tokens, 1.0)
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
 
@@ -240,6 +246,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         """Called only when a save starts: the steps since the last log step, then the state itself, are checked
         first, so no state that went NaN is saved (and rotates good checkpoints out)."""
         finish_log_ahead()  # the last log step's record first: a save is a sync anyway
+        jax.block_until_ready(state)  # the finite check below is a program with collectives: not beside the step
         if pending:
             _stop_if_not_finite(_fetch(pending), step, checkpointer, remember)
         _stop_if_state_not_finite(state, step, checkpointer, remember)
