@@ -168,8 +168,8 @@ class SaysWhyItWaits(ControllerCallback):
         logging_config = getattr(getattr(train_run_context, "run_config", None), "logging_config", None)
         level = logging.getLevelName(str(getattr(logging_config, "log_level", "INFO")).upper())
         if isinstance(level, int) and level >= logging.WARNING:  # a quiet run (the CLI's): our line, not Ray's pages
-            for name in _PLACEMENT_TRACEBACK_LOGGERS:
-                logging.getLogger(name).addFilter(_not_a_placement_timeout)
+            for name in _CONTROLLER_LOGGERS:
+                logging.getLogger(name).addFilter(_worth_a_quiet_log)
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
@@ -184,11 +184,11 @@ class SaysWhyItWaits(ControllerCallback):
 
 # Ray's controller logs each failed placement with its whole traceback, twice (the control loop, the failure policy);
 # and a stopped Tune trial's dead report queue, once.
-_PLACEMENT_TRACEBACK_LOGGERS = ("ray.train.v2._internal.execution.controller.controller",
+_CONTROLLER_LOGGERS = ("ray.train.v2._internal.execution.controller.controller",
                                 "ray.train.v2._internal.execution.failure_handling.default")
 
 
-def _not_a_placement_timeout(record: logging.LogRecord) -> bool:
+def _worth_a_quiet_log(record: logging.LogRecord) -> bool:
     """False for Ray's pages that a quiet run's log replaces or needs not: a failed placement (our line says it),
     and a Tune trial stopped by its scheduler, whose report queue dies with its placement group (the search's
     summary says it was stopped; 40 lines of traceback in a search that went well read as a crash: an ops review)."""
@@ -213,10 +213,10 @@ def waiting_message(scaling, waits: int) -> str:
         free, alive = {}, "?"
     every = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60))
     return (f"the workers cannot be placed ({waits} attempt(s), one every {every:g} s): {workers} x {per_worker} "
-            "needed, and "
-            f"the cluster's {alive} live node(s) have {free} free now. A lost node, or another job holding them? Ray "
-            "keeps trying until they are free (a node comes back, the autoscaler adds one, the other job ends); stop "
-            "the run (Ctrl-C, ray job stop) to give up: it resumes from its latest checkpoint when run again.")
+            f"needed, and the cluster's {alive} live node(s) have {free} free now. A lost node, or another job holding "
+            "them? Ray keeps trying until they are free (a node comes back, the autoscaler adds one, the other job "
+            "ends); stop the run (Ctrl-C, ray job stop) to give up: it resumes from its latest checkpoint when run "
+            "again.")
 
 
 class LatestMetrics(ReportCallback):

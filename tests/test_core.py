@@ -631,7 +631,7 @@ def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, cap
     from ray.train.v2.api.config import LoggingConfig
     from ray.train.v2.api.exceptions import ControllerError
 
-    from ray_jax_train.trainer import _PLACEMENT_TRACEBACK_LOGGERS, SaysWhyItWaits
+    from ray_jax_train.trainer import _CONTROLLER_LOGGERS, SaysWhyItWaits
 
     class Context:  # what the controller passes: the run's scaling and run configs
         scaling_config = ScalingConfig(num_workers=3, resources_per_worker={"CPU": 2})
@@ -650,7 +650,7 @@ def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, cap
         in said[1] and "live node(s) have {'CPU': " in said[1], said
     assert "(1 attempt(s)" in said[2]  # counted afresh once the group had started
     # Ray's traceback of the same timeout is left out of a quiet run's log; its other errors are not.
-    logger = logging.getLogger(_PLACEMENT_TRACEBACK_LOGGERS[0])
+    logger = logging.getLogger(_CONTROLLER_LOGGERS[0])
     try:
         timed_out = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Error in control loop iteration: %s",
                                       (WorkerGroupStartupTimeoutError(3),), None)
@@ -660,6 +660,6 @@ def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, cap
             "its placement group was removed.",), None)  # a Tune trial its scheduler stopped
         assert not logger.filter(timed_out) and not logger.filter(stopped) and logger.filter(other)
     finally:
-        for name in _PLACEMENT_TRACEBACK_LOGGERS:
+        for name in _CONTROLLER_LOGGERS:
             for f in list(logging.getLogger(name).filters):
                 logging.getLogger(name).removeFilter(f)
