@@ -469,11 +469,11 @@ def _fmt(s: Dict[str, float], digits: int = 2) -> str:
 
 def cpu_topology() -> Dict[str, Any]:
     """Which usable CPUs share a physical core: (d) pins workers to cores, and two hyperthreads are not two cores."""
-    from ray_jax_train.backend import _usable_cores
+    from ray_jax_train.backend import _usable_cores, sibling_groups
 
     cores = _usable_cores()
-    return {"cpus": len(cores), "physical_cores": len({physical for _, physical in cores}),
-            "siblings": sorted({tuple(c for c, p in cores if p == physical) for _, physical in cores})}
+    groups = sibling_groups(cores)
+    return {"cpus": len(cores), "physical_cores": len(groups), "siblings": groups}
 
 
 def _topology_note(topology) -> str:

@@ -263,6 +263,14 @@ def _usable_cores() -> List[Tuple[int, Tuple[int, int]]]:
     return cores
 
 
+def sibling_groups(cores: Sequence[Tuple[int, Tuple[int, int]]]) -> List[List[int]]:
+    """The logical CPUs of each physical core (its hyperthreads), ordered by each core's lowest CPU number."""
+    siblings: Dict[Tuple[int, int], List[int]] = {}
+    for cpu, physical in cores:
+        siblings.setdefault(physical, []).append(cpu)
+    return sorted(siblings.values())
+
+
 def plan_node_cores(cores: Sequence[Tuple[int, Tuple[int, int]]], workers: int, per_worker: int
                     ) -> List[Optional[List[int]]]:
     """The logical CPUs each of a node's workers (by local rank) is pinned to; None where the node runs short.
@@ -271,10 +279,7 @@ def plan_node_cores(cores: Sequence[Tuple[int, Tuple[int, int]]], workers: int, 
     twice one. So where the node has a physical core per CPU asked for, each worker takes one thread of distinct
     cores; where it has fewer, each takes whole cores (its own siblings), and only if even that runs short do
     workers share a core."""
-    siblings: Dict[Tuple[int, int], List[int]] = {}
-    for cpu, physical in cores:
-        siblings.setdefault(physical, []).append(cpu)
-    groups = sorted(siblings.values())  # by each physical core's lowest CPU number
+    groups = sibling_groups(cores)
     if workers * per_worker <= len(groups):
         depth = max(len(g) for g in groups)
         spread = [g[i] for i in range(depth) for g in groups if i < len(g)]
