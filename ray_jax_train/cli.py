@@ -308,7 +308,7 @@ def cmd_fit(args) -> int:
             # e.g. a storage_path it may not write, or a bucket without credentials: was a traceback, exit 1
             raise ConfigError(f"{exc} (check run.storage_path and the data and tokenizer paths: the driver could "
                               "not read or write them)") from None
-        raise ConfigError(read_error(exc)) from None
+        raise ConfigError(read_error(exc) + _where_the_bad_row_is(read_error(exc), config)) from None
     print(f"[ray-jax-train] run {info['name']}: {config.scaling.num_workers} worker(s), {info['total_steps']} steps, "
           f"outputs in {info['run_dir']}", flush=True)
     _keep_config(config, info["run_dir"])
@@ -326,9 +326,21 @@ def cmd_fit(args) -> int:
                   file=sys.stderr)
         raise
     except Exception as exc:  # the run failed after it started: exit 1, not 2
-        return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]))
+        return _training_failed(exc, args.verbose, info["run_dir"], resume=_resume_hint(args, info["name"]),
+                                config=config)
     _summary(args, result, info, started)
     return EXIT_OK
+
+
+def _where_the_bad_row_is(message: str, config) -> str:
+    """The file and line of the data's first bad row, for an error about a row that does not say where it is."""
+    from ray_jax_train.text.locate import BAD_ROW_FOUND, where_the_bad_row_is
+
+    if BAD_ROW_FOUND in message:
+        return ""
+    return where_the_bad_row_is(message, config.data.paths() + config.data.paths("eval_source"),
+                                text_column=config.training.get("text_column", "text"),
+                                messages_column=config.training.get("messages_column", "messages"))
 
 
 def _shortened(text: str, limit: int) -> str:
@@ -376,12 +388,16 @@ def _lost_worker(rank: int, failure: BaseException) -> str:
             "running out does this; the other workers' JAX aborts that follow are its consequence.")
 
 
-def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None) -> int:
+def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Optional[str] = None,
+                     config=None) -> int:
     if verbose:
         import traceback
 
         traceback.print_exception(exc)
-    print(f"[ray-jax-train] training failed: {_error_line(exc)}", file=sys.stderr)
+    line = _error_line(exc)
+    if config is not None:  # rows read while training (the data streams): which file, which line
+        line += _where_the_bad_row_is(line, config)
+    print(f"[ray-jax-train] training failed: {line}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one

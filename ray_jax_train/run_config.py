@@ -33,6 +33,7 @@ from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_d
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.quiet import quiet_run_settings, quiet_train_loop
 from ray_jax_train.storage import absolute, is_uri, join
+from ray_jax_train.text.errors import read_error
 
 __all__ = [
     "ConfigError",
@@ -888,31 +889,6 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
                           "training.text_column (or training.messages_column, for conversations) to the column that "
                           "holds the data, or tokenizer.path to a tokenizer directory (then none is trained)")
     return texts
-
-
-_RAISED_LINE = re.compile(r"^((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception)): (.+)$")
-
-
-def read_error(exc: BaseException) -> str:
-    """What went wrong in a Ray Data task (reading or tokenising), without Ray's traceback around it: its last line
-    names the cause. A file that does not parse as its extension says gets the formats named."""
-    import ray.exceptions
-
-    if not isinstance(exc, ray.exceptions.RayTaskError):
-        return str(exc)
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    cause = lines[-1] if lines else type(exc).__name__
-    # A map UDF's error comes wrapped in Ray Data's UserCodeException, whose last lines are its retry advice: the
-    # user's error is the last raised line that is not Ray's own.
-    raised = [m for m in map(_RAISED_LINE.match, lines)
-              if m and not any(ray_own in m.group(1) for ray_own in ("UserCodeException", "RayTaskError"))]
-    if raised:  # our own errors' messages say it all; another's type is part of what it says (UnicodeDecodeError)
-        kind, message = raised[-1].groups()
-        cause = message if kind.startswith("ray_jax_train.") else f"{kind.rsplit('.', 1)[-1]}: {message}"
-    if any(word in cause.lower() for word in ("decod", "json", "pars", "arrowinvalid", "unmatched")):
-        cause += (". Check that every file is UTF-8 text (.txt: one document per line), JSON lines (.jsonl: one JSON "
-                  "object per line), Parquet or CSV, as its extension says")
-    return cause
 
 
 # What the train state's shapes depend on: a resume with any of these changed cannot restore the checkpoint.

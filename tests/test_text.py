@@ -3,6 +3,7 @@ import copy
 import json
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -331,7 +332,7 @@ def test_a_shard_of_null_text_is_empty_and_numbers_for_text_are_named(tokenizer)
 
     out = TokenizeAndPack(tokenizer, 16)({"text": np.array(["one two", float("nan"), None, ""], dtype=object)})
     assert out["input_ids"].shape[0] == 1  # the one document packs; the nulls make none
-    with pytest.raises(TextDataError, match=r"column 'text' holds a int \(7\), not text.*training\.text_column"):
+    with pytest.raises(TextDataError, match=r"column 'text' holds an int \(7\), not text.*training\.text_column"):
         TokenizeAndPack(tokenizer, 16)({"text": np.array(["one", 7], dtype=object)})
 
 
@@ -350,6 +351,51 @@ def test_error_messages_name_the_config_key_and_the_python_argument(tokenizer, t
     (tmp_path / "other" / "a.dat").write_text('{"text": "alpha"}\n')
     with pytest.raises(TextDataError, match=r"no file ends in \.jsonl, .*Rename the files, or in Python pass format="):
         load_text_dataset(tmp_path / "other")
+
+
+def test_the_first_bad_row_is_found_by_file_and_line(tmp_path):
+    """Ray Data names neither the file nor the line of a broken row ("Unexpected character ... at position 39468"):
+    the driver reads the local files again, once the run has failed, and says where it is."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ray_jax_train.text.locate import find_bad_row, where_the_bad_row_is
+
+    good = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5))
+    (tmp_path / "a.jsonl").write_text(good)
+    assert find_bad_row([str(tmp_path)]) is None
+    cases = {
+        '{"text": "cut': r"line 3: not a JSON object \(.*column \d+\)",
+        json.dumps({"text": 12}): r"line 3: 'text' holds an int \(12\), not text",
+        json.dumps(["a"]): r"line 3: a JSON list, not an object",
+        json.dumps({"messages": [{"content": "hi"}]}): r"line 3: message 0 of 'messages' has no string 'role'",
+        json.dumps({"messages": "hi"}): r"line 3: 'messages' holds a str, not a list of messages",
+    }
+    for bad, expected in cases.items():
+        lines = good.splitlines()
+        lines[2] = bad
+        (tmp_path / "b.jsonl").write_text("\n".join(lines) + "\n")
+        found = find_bad_row([str(tmp_path)])
+        assert found and found.startswith(f"{tmp_path / 'b.jsonl'}, ") and re.search(expected, found), (bad, found)
+    # Null text is an empty document, and a row whose messages are empty reads its text: neither is bad.
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": None}) + "\n" + json.dumps({"messages": [], "text": "x"}))
+    assert find_bad_row([str(tmp_path)]) is None
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(good + json.dumps({"text": 1.5}) + "\n")
+    assert find_bad_row([str(tmp_path / "c.jsonl.gz")]).endswith("line 6: 'text' holds a float (1.5), not text")
+    (tmp_path / "d.txt").write_bytes(b"fine\n\xff\xfe broken\n")
+    assert "line 2: not UTF-8 text" in find_bad_row([str(tmp_path / "d.txt")])
+    (tmp_path / "e.json").write_text(json.dumps([{"text": "x"}, {"text": ["y"]}]))
+    assert find_bad_row([str(tmp_path / "e.json")]).endswith("item 1 of its array: 'text' holds a list ([\"y\"]), not text")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "f.parquet")
+    assert find_bad_row([str(tmp_path / "f.parquet")]).endswith("column 'text' is of type int64, not string")
+    assert find_bad_row(["s3://bucket/data.jsonl"]) is None  # far away data is not read again
+    # Only errors about rows get the search, and the sentence follows the error's own.
+    assert where_the_bad_row_is("the tokenizer has no eos token", [str(tmp_path / "d.txt")]) == ""
+    said = where_the_bad_row_is("UnicodeDecodeError: 'utf-8' codec can't decode", [str(tmp_path / "d.txt")])
+    assert said.startswith(". The first row that cannot be read as a document: ") and "d.txt, line 2" in said
 
 
 # ---------------------------------------------------------------- Ray Data
@@ -409,6 +455,21 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
                  for c in convs for m in c if m["role"] == "assistant"]
     assert r["targets"][r["loss_mask"] == 1].tolist() == sum(assistant, [])
     assert r["segment_ids"].max() == 2
+
+
+def test_a_bad_row_met_while_tokenising_files_names_its_file_and_line(ray_cluster, tokenizer, tmp_path):
+    from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.data import prepare_lm_datasets
+
+    rows = [json.dumps({"text": f"document {i} " * 5}) for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("\n".join(rows) + "\n")
+    rows[31] = json.dumps({"text": 31})  # read fine, refused by the tokenising actor as the data is materialised
+    (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), batch_size=2, max_sequence_length=32, total_steps=2)
+    with pytest.raises(TextDataError, match=r"dataset_train: column 'text' holds an int \(31\).* The first row that "
+                                            r"cannot be read as a document: .*b\.jsonl, line 32: 'text' holds an int"):
+        prepare_lm_datasets([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], None, tokenizer, args,
+                            materialize=True)
 
 
 def test_pipeline_errors(ray_cluster, tokenizer, tmp_path):

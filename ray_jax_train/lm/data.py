@@ -6,6 +6,7 @@ data, no chat template) raise here, before any worker starts.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -94,25 +95,30 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
         logger.warning("num_epochs=%d is ignored: total_steps=%d sets the run's length. To train by epochs, leave "
                        "total_steps out (in a CLI config: --set training.total_steps=null).", args.num_epochs,
                        args.total_steps)
-    train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
-                                           max_position_embeddings=max_position_embeddings, what=names[0],
-                                           vocab_size=vocab_size)
+    columns_of = dict(text_column=args.text_column, messages_column=args.messages_column)
+    with naming_the_bad_row(train_source, names[0], **columns_of):
+        train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
+                                               max_position_embeddings=max_position_embeddings, what=names[0],
+                                               vocab_size=vocab_size)
     datasets = {"train": train_ds}
     if eval_source is None and args.eval_steps:
         eval_name = "data.eval_source or data.eval_fraction" if names[1] == "data.eval_source" else names[1]
         logger.warning("eval_steps=%d is set, but there is no eval data: nothing will be evaluated. Give %s, or "
                        "leave eval_steps out.", args.eval_steps, eval_name)
     if eval_source is not None:
-        datasets["eval"], eval_columns = prepare_lm_dataset(
-            eval_source, tokenizer, args, data_collator=data_collator, what=names[1],
-            max_position_embeddings=max_position_embeddings, vocab_size=vocab_size)
+        with naming_the_bad_row(eval_source, names[1], **columns_of):
+            datasets["eval"], eval_columns = prepare_lm_dataset(
+                eval_source, tokenizer, args, data_collator=data_collator, what=names[1],
+                max_position_embeddings=max_position_embeddings, vocab_size=vocab_size)
         if eval_columns != columns:
             raise ValueError(f"{names[1]} feeds columns {eval_columns}, {names[0]} {columns}; they must match.")
-    if materialize or args.total_steps is None or _too_few_cpus(args):
-        datasets = {name: _in_order(ds) for name, ds in datasets.items()}
-    elif "eval" in datasets:
-        # Eval runs again and again over the same few rows: tokenise them once (and count them, below).
-        datasets["eval"] = _in_order(datasets["eval"])
+    sources = {"train": (train_source, names[0]), "eval": (eval_source, names[1])}
+    tokenise_now = [name for name in datasets if materialize or args.total_steps is None or _too_few_cpus(args)
+                    # Eval runs again and again over the same few rows: tokenise them once (and count them, below).
+                    or name == "eval"]
+    for name in tokenise_now:
+        with naming_the_bad_row(*sources[name], **columns_of):
+            datasets[name] = _in_order(datasets[name])
     if args.total_steps is None:
         rows = datasets["train"].count()
         total_steps = args.steps_for_rows(rows)
@@ -134,6 +140,40 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
                          "warmup_steps or train longer.")
     args.check_profile_window(total_steps)
     return datasets, columns, total_steps
+
+
+def source_paths(source: Any) -> List[str]:
+    """The local file paths or URIs a source names ([] for datasets and rows in memory)."""
+    import os
+
+    if isinstance(source, (str, os.PathLike)):
+        return [os.fspath(source)]
+    if isinstance(source, (list, tuple)) and source and all(isinstance(x, (str, os.PathLike)) for x in source):
+        return [os.fspath(x) for x in source]
+    return []
+
+
+@contextlib.contextmanager
+def naming_the_bad_row(source: Any, what: str, *, text_column: str = "text", messages_column: str = "messages"):
+    """A Ray Data task that fails on a row of `source`'s files is re-raised naming the file and line of the first
+    bad row (Ray's own error names neither: "Unexpected character ... at position 39468")."""
+    import ray.exceptions
+
+    from ray_jax_train.text.errors import TextDataError, read_error
+    from ray_jax_train.text.locate import where_the_bad_row_is
+
+    try:
+        yield
+    except (ray.exceptions.RayTaskError, TextDataError) as exc:
+        paths = source_paths(source)
+        if not paths:
+            raise
+        # Our own errors from the driver's first-row checks already name the dataset; Ray's name nothing.
+        said = str(exc) if isinstance(exc, TextDataError) else f"{what}: {read_error(exc)}"
+        where = where_the_bad_row_is(said, paths, text_column=text_column, messages_column=messages_column)
+        if not where:
+            raise
+        raise (type(exc) if isinstance(exc, TextDataError) else TextDataError)(said + where) from exc
 
 
 def _say_rows_left_out(rows: int, batch_size: int) -> None:

@@ -103,7 +103,8 @@ def _texts(values, column: str) -> list:
             out.append(value)
         else:
             raise TextDataError(
-                f"column {column!r} holds a {type(value).__name__} ({value!r:.60}), not text: a file whose "
+                f"column {column!r} holds {'an' if type(value).__name__[0] in 'aeiou' else 'a'} "
+                f"{type(value).__name__} ({value!r:.60}), not text: a file whose "
                 f"{column!r} is numbers or lists? Convert it to strings, leave that file out, or name the right "
                 "column with training.text_column (text_column= in Python).")
     return out
