@@ -388,7 +388,8 @@ def test_the_first_bad_row_is_found_by_file_and_line(tmp_path):
     (tmp_path / "d.txt").write_bytes(b"fine\n\xff\xfe broken\n")
     assert "line 2: not UTF-8 text" in find_bad_row([str(tmp_path / "d.txt")])
     (tmp_path / "e.json").write_text(json.dumps([{"text": "x"}, {"text": ["y"]}]))
-    assert find_bad_row([str(tmp_path / "e.json")]).endswith("item 1 of its array: 'text' holds a list ([\"y\"]), not text")
+    assert find_bad_row([str(tmp_path / "e.json")]).endswith(
+        "item 1 of its array: 'text' holds a list ([\"y\"]), not text")
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "f.parquet")
     assert find_bad_row([str(tmp_path / "f.parquet")]).endswith("column 'text' is of type int64, not string")
     assert find_bad_row(["s3://bucket/data.jsonl"]) is None  # far away data is not read again

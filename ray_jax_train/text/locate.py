@@ -129,7 +129,8 @@ def row_problem(row: Any, text_column: str, messages_column: str) -> Optional[st
                 return f"message {i} of {messages_column!r} has no string 'role' ({json.dumps(message)[:80]})"
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
-                return f"message {i} of {messages_column!r} has {_a(content)} {type(content).__name__} content, not text"
+                kind = type(content).__name__
+                return f"message {i} of {messages_column!r} has {_a(content)} {kind} content, not text"
         return None
     text = row.get(text_column)
     if text is not None and not isinstance(text, str):
