@@ -427,7 +427,7 @@ def _summary(args, result, info, started: float) -> None:
                      f"{evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
     relogged = resumed_steps(text)
     if relogged:  # the group failed and resumed from a checkpoint (or this command resumed an earlier run)
-        lines.append(f"restarts:    {len(relogged)} (resumed from a checkpoint; first step logged after each: "
+        lines.append(f"restarts:    {len(relogged)} (resumed from the checkpoint of step "
                      f"{', '.join(map(str, relogged))})")
     lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     if result.checkpoint is not None:

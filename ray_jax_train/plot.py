@@ -64,10 +64,12 @@ def _step_records(text: str) -> Iterator[Dict]:
 
 
 def resumed_steps(text: str) -> List[int]:
-    """The first step each later attempt of a run logged: every attempt's first record carries its start-up facts
-    (`startup_s`), and an attempt after the first resumed from a checkpoint (the group failed and Ray restarted
-    it, or the same run was started again)."""
-    return [int(record["step"]) for record in _step_records(text) if "startup_s" in record][1:]
+    """The step each later attempt of a run resumed from: every attempt's first record carries its start-up facts
+    (`startup_s`, and `start_step`, its checkpoint's step), and an attempt after the first resumed from a checkpoint
+    (the group failed and Ray restarted it, or the same run was started again). Records written before
+    `start_step` existed give the first step logged after the resume."""
+    return [int(record.get("start_step", record["step"])) for record in _step_records(text)
+            if "startup_s" in record][1:]
 
 
 def parse_records(text: str) -> List[Dict]:

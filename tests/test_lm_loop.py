@@ -286,6 +286,8 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     assert sorted(first_steps) == [1, resumed_at + 1], first_steps
     assert first_steps[1]["compilation_cache_hits"] == 0
     assert first_steps[resumed_at + 1]["compilation_cache_hits"] >= 2, first_steps
+    # Each attempt's first record says where it began: plots and the CLI's summary mark the resume there.
+    assert [first_steps[s]["start_step"] for s in sorted(first_steps)] == [0, resumed_at], first_steps
     # Process 1 reads the entries process 0 wrote for the programs they share (JAX's CPU keys differ per process
     # without _cpu_cache_key, and then it loaded none); programs on its own devices alone are never written.
     restart_hits = first_steps[resumed_at + 1]["compilation_cache_hits_per_process"]

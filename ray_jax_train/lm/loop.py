@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 NONFINITE_FILE = "nonfinite.json"  # in the run directory: where and why an attempt of this fit() stopped for good
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
-STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device")
+STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device",
+                "start_step")
 # Every key a record (metrics.jsonl, ray.train.report) can carry; eval_* only on eval steps. A Tune metric must
 # be one of these (checked on the driver).
 REPORTED_KEYS = ("step", "epoch", "loss", "perplexity", "grad_norm", "loss_tokens", "learning_rate", "tokens_per_s",
@@ -472,7 +473,8 @@ def _log_first_step(step: int, seconds: float, recorder: "_Recorder", state) -> 
         logger.info("Step %d done %.1f s after the loop started; programs loaded from the compilation cache / "
                     "compiled, per process: %s; the train state takes %.1f MB per device.", step, seconds,
                     ", ".join(f"{h}/{m}" for h, m in per_process), state_mb)
-    facts = dict(zip(STARTUP_KEYS, (seconds, hits, misses, state_mb)))
+    # start_step: where this attempt began (a resume: its checkpoint's step), for plots and the CLI's summary.
+    facts = dict(zip(STARTUP_KEYS, (seconds, hits, misses, state_mb, step - 1)))
     recorder.json(f"first_step_{step:06d}", dict(facts, seconds=seconds,
                                                  compilation_cache_hits_per_process=[h for h, _ in per_process],
                                                  compilation_cache_misses_per_process=[m for _, m in per_process]))
