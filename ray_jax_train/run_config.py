@@ -297,7 +297,7 @@ class ExperimentConfig(_Section):
                 weights_dir_kind(os.path.abspath(self.model.init_from))
             except FileNotFoundError as exc:
                 raise ConfigError(f"model.init_from: {exc}") from None
-            check_hf_init_dir(self, model)
+            check_hf_init_dir(self, model, warn=False)  # said once, when the run is built
             check_hf_init_tokenizer(self)
         if self.tune is not None:
             for key, spec in self.tune.param_space.items():
@@ -937,16 +937,20 @@ def checkpoint_step(checkpoint: Optional[str]) -> Optional[int]:
     return step_in_name(checkpoint)
 
 
-def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig) -> None:
-    """Starting weights from a Hugging Face directory must fit the model the config builds (shapes only)."""
+def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, warn: bool = True) -> None:
+    """Starting weights from a Hugging Face directory must fit the model the config builds: its shapes, and its rope
+    and norm settings unless the model section sets them (then `warn` says so)."""
     from ray_jax_train.lm.state import check_hf_dir_fits
 
     hf_dir = config.hf_init_dir()
     if hf_dir is None:
         return
     try:
+        # Fields the model section sets differ from config.json's on purpose (the rest are taken from there).
         check_hf_dir_fits(hf_dir, model_config, "Set the model section's sizes to those in its config.json, or "
-                                                "leave them out: they are then taken from there.")
+                                                "leave them out: they are then taken from there.",
+                          chosen=set(config.model_fields_set_values()),
+                          chosen_how="leave them out of the model section", warn=warn)
     except ValueError as exc:
         raise ConfigError(f"model.init_from: {exc}") from None
 

@@ -567,7 +567,7 @@ def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ig
         read_file(str(tmp_path / "empty.yaml"))
 
 
-def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_path):
+def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_path, caplog):
     from ray_jax_train.config import LlamaConfig
     from ray_jax_train.models import create_model, save_pretrained
     from ray_jax_train.run_config import ConfigError, parse_config
@@ -609,6 +609,14 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     # Sizes left out come from its config.json: that model is the one fine-tuned.
     config = parse_config({**tiny, "model": {"init_from": str(hf_dir), "remat": True}})
     assert config.llama_config() == hf.replace(remat=True)
+    # Rope set in the model section differs from config.json's on purpose (a longer context): said, not refused.
+    from ray_jax_train.run_config import check_hf_init_dir
+
+    with caplog.at_level("WARNING", logger="ray_jax_train.lm.state"):
+        longer = parse_config({**tiny, "model": {"init_from": str(hf_dir), "rope_theta": 5e5}})
+        assert "rope_theta" not in caplog.text  # said once, when the run is built
+        check_hf_init_dir(longer, longer.llama_config())
+    assert "with rope_theta=500000.0 (the directory's: 10000.0), as set" in caplog.text
     # A bf16 checkpoint (most are) trains float32 master weights, as through RayDistributedTrainer; asked, bf16.
     bf16_dir = tmp_path / "hf_bf16"
     save_pretrained(create_model(hf.replace(dtype="bfloat16", param_dtype="bfloat16")), bf16_dir)

@@ -182,14 +182,17 @@ def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tm
     assert not np.allclose(flat(default)["['lm_head']['kernel']"], flat(params)["['lm_head']['kernel']"])
 
 
-def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir, tmp_path):
+def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir, tmp_path, caplog):
     trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record", checkpoint_path=tokenizer_dir)
     config = trainer.create_config(1)
     _, state_params = split_model(trainer.create_model(config.replace(seed=11)))
     other_model = trainer.create_model(config.replace(seed=7))
-    trainer.train(1, one_step_args(tmp_path, "state"), packed_rows(), model=other_model,
-                  state={"params": state_params, "step": 0})
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):
+        trainer.train(1, one_step_args(tmp_path, "state"), packed_rows(), model=other_model,
+                      state={"params": state_params, "step": 0})
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(state_params))
+    # The checkpoint left unread is said on the driver (a review: only a worker's INFO line told).
+    assert f"The given state is trained: checkpoint_path={tokenizer_dir} is not read" in caplog.text
 
 
 def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
@@ -256,6 +259,38 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
         with pytest.raises(EmptyDatasetError):
             RayDistributedTrainer(str(hf_dir), checkpoint_path=str(hf_dir)).train(1, args, [])
     assert "randomly initialised" not in caplog.text
+    # Weights trained with another rope_theta load without a shape error and compute other logits (a review: 1.6e-2
+    # off Hugging Face's): refused on the driver, naming the value; set on purpose, only said.
+    other_rope = tmp_path / "hf_rope"
+    save_pretrained(trainer.create_model(trainer.create_config(1).replace(rope_theta=5e5)), other_rope)
+    with pytest.raises(ValueError, match=r"rope_theta=10000\.0 \(the directory's: 500000\.0\).*"
+                                         r"config_variables=\{'rope_theta': 500000\.0\}"):
+        make_trainer(tokenizer_dir, checkpoint_path=str(other_rope)).train(1, args, [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.state"):
+        with pytest.raises(EmptyDatasetError):
+            RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
+                                  config_variables={**FIXED, "rope_theta": 1e6},
+                                  checkpoint_path=str(other_rope)).train(1, args, [])
+    assert "with rope_theta=1000000.0 (the directory's: 500000.0), as set" in caplog.text
+
+
+def test_a_head_dim_of_its_own_is_kept_from_the_model_directory(tokenizer_dir, tmp_path):
+    """Mistral-NeMo's head_dim is not hidden_size // heads: index 1 dropped it, and was another model (a review)."""
+    from ray_jax_train.models import save_pretrained
+
+    trainer = make_trainer(tokenizer_dir)
+    own_head_dim = trainer.create_config(1).replace(head_dim=32)  # hidden 32, 2 heads: 16 if derived
+    save_pretrained(trainer.create_model(own_head_dim), tmp_path / "nemo")
+    from_dir = RayDistributedTrainer(str(tmp_path / "nemo"), model_type="llama")
+    assert from_dir.create_config(1).head_dim == 32
+    wider = from_dir.create_config(2)  # heads double with the width: the head stays the architecture's
+    assert (wider.hidden_size, wider.num_attention_heads, wider.head_dim) == (64, 4, 32)
+    # A derived one still follows the width it is derived from.
+    save_pretrained(trainer.create_model(trainer.create_config(1)), tmp_path / "plain")
+    plain = RayDistributedTrainer(str(tmp_path / "plain"), model_type="llama",
+                                  config_scaling_variables={"hidden_size": 32, "intermediate_size": 64})
+    assert plain.create_config(2).head_dim == 32  # 64 // 2 heads
 
 
 def test_config_round_trip_scaling_and_samples(tokenizer_dir, tmp_path):

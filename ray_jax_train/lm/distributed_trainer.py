@@ -177,9 +177,13 @@ class RayDistributedTrainer:
                 # (checkpoint_path=the same directory) failed in the workers on every weight's shape.
                 scaling_vars = {k: hf[k] for k in DEFAULT_SCALING_VARIABLES}
                 scaled = set(scaling_vars)
+            # A head_dim that is hidden_size // heads follows the width as it scales; one of its own (Mistral-NeMo's
+            # 128 at hidden 5120 and 32 heads) is the architecture's, and stays: dropped, index 1 was another model.
             width_scaled = bool(scaled & {"hidden_size", "num_attention_heads"})
+            derived_head_dim = hf["head_dim"] == hf["hidden_size"] // hf["num_attention_heads"]
             base = {k: v for k, v in hf.items() if v is not None and k not in scaled and k not in _SCALING_FIELDS
-                    and k not in ("model_type", "initializer_range") and not (k == "head_dim" and width_scaled)}
+                    and k not in ("model_type", "initializer_range")
+                    and not (k == "head_dim" and width_scaled and derived_head_dim)}
         base.update(variables)
         if "vocab_size" not in base:
             tokenizer = self._maybe_tokenizer()
@@ -336,9 +340,17 @@ class RayDistributedTrainer:
         if init["source"] == "hf":
             state_lib.check_hf_dir_fits(init["path"], config, "Give the trainer the sizes the directory was saved "
                                         "with (config_scaling_variables, config_variables, scaling_index), or leave "
-                                        "them out and pass the directory as its first argument.")
+                                        "them out and pass the directory as its first argument.",
+                                        chosen=set(self.config_variables),
+                                        chosen_how="config_variables={{{wanted}}}, or pass the directory as the "
+                                                   "trainer's first argument")
         if init["source"] in ("state", "model"):
             import ray
+
+            if self.checkpoint_path is not None:  # the documented order, said: the worker's INFO line went unseen
+                logger.warning("The given %s is trained: checkpoint_path=%s is not read (the starting point is the "
+                               "first of state, model, checkpoint_path). Leave %s out to start from the checkpoint.",
+                               init["source"], self.checkpoint_path, init["source"])
 
             given = ray.get(init["ref"])["params"]
             state_lib.check_params_match(given, state_lib.abstract_params(config)[1], f"given {init['source']}")
