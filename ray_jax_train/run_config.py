@@ -927,6 +927,19 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> Optional[str
             f"({'; '.join(changed)}), so the checkpoint cannot be restored. Resume with the model (and tokenizer) "
             "settings the run started with, or start a fresh run under another name (--set run.name=...; in "
             "Python, RunConfig(name=...)), optionally from that checkpoint as model.init_from.")
+    from ray_jax_train.lm.state import FUNCTION_FIELDS
+
+    try:
+        before = LlamaConfig.from_hf(saved)
+    except ValueError:
+        return checkpoint
+    moved = [f"{k} {getattr(before, k)!r} -> {getattr(model_config, k)!r}" for k in FUNCTION_FIELDS
+             if getattr(before, k) != getattr(model_config, k)]
+    if moved:  # the shapes fit, so it resumes; a change of what the weights compute is worth a line
+        logging.getLogger(__name__).warning(
+            "This run resumes from %s with other rope or norm settings than it trained with (%s): the weights will "
+            "compute other logits from here on. If that is not meant, resume with the settings the run started with "
+            "(its config.yaml).", checkpoint, "; ".join(moved))
     return checkpoint
 
 
@@ -938,12 +951,23 @@ def checkpoint_step(checkpoint: Optional[str]) -> Optional[int]:
 
 
 def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, warn: bool = True) -> None:
-    """Starting weights from a Hugging Face directory must fit the model the config builds: its shapes, and its rope
-    and norm settings unless the model section sets them (then `warn` says so)."""
-    from ray_jax_train.lm.state import check_hf_dir_fits
+    """Starting weights (a Hugging Face directory, or a local checkpoint that records its model) must fit the model
+    the config builds: their shapes, and their rope and norm settings unless the model section sets them (then
+    `warn` says so)."""
+    from ray_jax_train.lm.state import check_checkpoint_fits, check_hf_dir_fits, weights_dir_kind
 
     hf_dir = config.hf_init_dir()
     if hf_dir is None:
+        path = config.model.init_from
+        if path is None or is_uri(path) or weights_dir_kind(os.path.abspath(path)) != "checkpoint":
+            return
+        try:
+            check_checkpoint_fits(os.path.abspath(path), model_config, "Set the model section's sizes to those the "
+                                  "checkpoint's run trained (its config.yaml has them).",
+                                  chosen=set(config.model_fields_set_values()),
+                                  chosen_how="set them in the model section: {wanted}", warn=warn)
+        except ValueError as exc:
+            raise ConfigError(f"model.init_from: {exc}") from None
         return
     try:
         # Fields the model section sets differ from config.json's on purpose (the rest are taken from there).

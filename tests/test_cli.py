@@ -215,6 +215,23 @@ def test_init_from_a_run_directory_exits_2_naming_its_checkpoint(tmp_path, capsy
     code, _, err = run(["config", "validate", TINY, "--set",
                         f"model.init_from={run_dir / 'checkpoint_000000020_0a1b2c3d'}"], capsys)
     assert code == 0, err
+    # One that records its model (as this package's checkpoints do) meets the model section on the driver: a norm
+    # that differs would load without a shape error and compute other logits.
+    from ray_jax_train.checkpoint.core import META_FILE
+    from ray_jax_train.lm.export import HF_CONFIG_KEY
+    from ray_jax_train.run_config import load_config
+
+    checkpoint = run_dir / "checkpoint_000000020_0a1b2c3d"
+    recorded = load_config(TINY, []).llama_config().replace(vocab_size=512, rms_norm_eps=1e-5).to_hf_dict()
+    (checkpoint / META_FILE).parent.mkdir(parents=True)
+    (checkpoint / META_FILE).write_text(json.dumps({HF_CONFIG_KEY: recorded}))
+    code, _, err = run(["config", "validate", TINY, "--set", f"model.init_from={checkpoint}",
+                        "--set", "tokenizer.vocab_size=512"], capsys)
+    assert code == 2 and "model.init_from: The checkpoint" in err, err
+    assert "rms_norm_eps=1e-06 (the weights': 1e-05)" in err and "set them in the model section: 'rms_norm_eps'" in err
+    code, _, err = run(["config", "validate", TINY, "--set", f"model.init_from={checkpoint}",
+                        "--set", "tokenizer.vocab_size=512", "--set", "model.rms_norm_eps=1e-5"], capsys)
+    assert code == 0, err
 
 
 def test_unreadable_input_exits_2(tmp_path, capsys):
@@ -616,7 +633,7 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
         longer = parse_config({**tiny, "model": {"init_from": str(hf_dir), "rope_theta": 5e5}})
         assert "rope_theta" not in caplog.text  # said once, when the run is built
         check_hf_init_dir(longer, longer.llama_config())
-    assert "with rope_theta=500000.0 (the directory's: 10000.0), as set" in caplog.text
+    assert "with rope_theta=500000.0 (the weights': 10000.0), as set" in caplog.text
     # A bf16 checkpoint (most are) trains float32 master weights, as through RayDistributedTrainer; asked, bf16.
     bf16_dir = tmp_path / "hf_bf16"
     save_pretrained(create_model(hf.replace(dtype="bfloat16", param_dtype="bfloat16")), bf16_dir)

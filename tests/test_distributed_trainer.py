@@ -149,8 +149,8 @@ def test_profile_window_is_traced_on_every_worker(scratch_run):
         assert any(run["collective_ms"] > 0 and run["ops_ms"] > 0 for run in runs), runs
 
 
-def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenizer_dir, tmp_path):
-    _, result, record = scratch_run
+def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenizer_dir, tmp_path, caplog):
+    trainer, result, record = scratch_run
     trained = dict(np.load(record / "final_params.npz"))
     for source in (result.checkpoint.path, os.path.join(result.path, "final_model")):  # orbax, then HF
         name = "from_hf" if source.endswith("final_model") else "from_ckpt"
@@ -164,6 +164,23 @@ def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenize
     # Sizes the HF directory was not saved with fail on the driver, naming the fix (they failed in the workers).
     with pytest.raises(ValueError, match=r"Hugging Face model in .* \(300, 32\) != \(300, 64\).*scaling_index"):
         make_trainer(tokenizer_dir, checkpoint_path=final_model).train(2, one_step_args(tmp_path, "x2"), packed_rows())
+    # A checkpoint records its model: a trainer whose norm differs (here from another directory's config.json) is
+    # refused on the driver; the same difference set on purpose is said.
+    from ray_jax_train.models import save_pretrained
+    from ray_jax_train.text import load_tokenizer
+
+    other_eps = tmp_path / "other_eps"
+    save_pretrained(trainer.create_model(trainer.create_config(1).replace(rms_norm_eps=1e-5)), other_eps)
+    load_tokenizer(tokenizer_dir).save_pretrained(other_eps)
+    with pytest.raises(ValueError, match=r"The checkpoint .* rms_norm_eps=1e-05 \(the weights': 1e-06\)"):
+        RayDistributedTrainer(str(other_eps), checkpoint_path=result.checkpoint.path).train(
+            1, one_step_args(tmp_path, "eps"), [])
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.state"):
+        with pytest.raises(EmptyDatasetError):
+            RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
+                                  config_variables={**FIXED, "rms_norm_eps": 1e-5},
+                                  checkpoint_path=result.checkpoint.path).train(1, one_step_args(tmp_path, "e2"), [])
+    assert "with rms_norm_eps=1e-05 (the weights': 1e-06), as set" in caplog.text
     # Given as the model path with no scaling variables, index 1 is the directory's own model, not the defaults.
     own = RayDistributedTrainer(final_model, model_type="llama").create_config(1)
     expected = make_trainer(tokenizer_dir).create_config(1)
@@ -263,7 +280,7 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     # off Hugging Face's): refused on the driver, naming the value; set on purpose, only said.
     other_rope = tmp_path / "hf_rope"
     save_pretrained(trainer.create_model(trainer.create_config(1).replace(rope_theta=5e5)), other_rope)
-    with pytest.raises(ValueError, match=r"rope_theta=10000\.0 \(the directory's: 500000\.0\).*"
+    with pytest.raises(ValueError, match=r"rope_theta=10000\.0 \(the weights': 500000\.0\).*"
                                          r"config_variables=\{'rope_theta': 500000\.0\}"):
         make_trainer(tokenizer_dir, checkpoint_path=str(other_rope)).train(1, args, [])
     caplog.clear()
@@ -272,7 +289,7 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
             RayDistributedTrainer(tokenizer_dir, model_type="llama", config_scaling_variables=SCALING,
                                   config_variables={**FIXED, "rope_theta": 1e6},
                                   checkpoint_path=str(other_rope)).train(1, args, [])
-    assert "with rope_theta=1000000.0 (the directory's: 500000.0), as set" in caplog.text
+    assert "with rope_theta=1000000.0 (the weights': 500000.0), as set" in caplog.text
 
 
 def test_a_head_dim_of_its_own_is_kept_from_the_model_directory(tokenizer_dir, tmp_path):

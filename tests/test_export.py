@@ -187,7 +187,7 @@ def test_a_run_stopped_before_ray_registered_its_last_save_exports_that_save(run
     assert all(np.array_equal(exported[k], final[k]) for k in final)
 
 
-def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path):
+def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path, caplog):
     """A resumed CLI run with another base model failed ~40 s in, in the workers, exit 1, listing optimizer arrays;
     the checkpoint records its model config, so the driver says it first (exit 2 through ConfigError)."""
     from ray_jax_train.run_config import ConfigError, check_resumed_model
@@ -196,8 +196,12 @@ def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path):
     same = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     latest = _checkpoints(run_dir)[-1]
-    assert check_resumed_model(run_dir, same) == latest  # the run's own model resumes
-    assert check_resumed_model(run_dir, same.replace(rope_theta=500.0)) == latest  # shapes alike: the restore decides
+    with caplog.at_level("WARNING", logger="ray_jax_train.run_config"):
+        assert check_resumed_model(run_dir, same) == latest  # the run's own model resumes
+        assert "rope or norm" not in caplog.text
+        # Shapes alike: it resumes, and says that the weights compute other logits from here on.
+        assert check_resumed_model(run_dir, same.replace(rope_theta=500.0)) == latest
+    assert "with other rope or norm settings than it trained with (rope_theta 10000.0 -> 500.0)" in caplog.text
     assert check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64)) is None  # a new run
     with pytest.raises(ConfigError, match=r"hidden_size 32 -> 64; intermediate_size 64 -> 96.*--set run.name"):
         check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))

@@ -344,6 +344,11 @@ class RayDistributedTrainer:
                                         chosen=set(self.config_variables),
                                         chosen_how="config_variables={{{wanted}}}, or pass the directory as the "
                                                    "trainer's first argument")
+        if init["source"] == "checkpoint":
+            state_lib.check_checkpoint_fits(init["path"], config, "Give the trainer the sizes the checkpoint's run "
+                                            "trained (config_scaling_variables, config_variables, scaling_index).",
+                                            chosen=set(self.config_variables),
+                                            chosen_how="config_variables={{{wanted}}}")
         if init["source"] in ("state", "model"):
             import ray
 

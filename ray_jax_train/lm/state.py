@@ -193,19 +193,34 @@ def is_hf_model_dir(path: str) -> bool:
 FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window")
 
 
-def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str, *, chosen=(), chosen_how: str = "",
-                      warn: bool = True) -> None:
-    """On the driver: the HF directory's config.json against the model to be built. Shapes: in the worker the same
-    mismatch came after Ray's start, tokenising and the train step's compile (of a model that may be huge). Rope and
-    norm settings: a model built with other ones loaded the weights without a word and computed other logits (a
-    review: 1.6e-2 off Hugging Face's where 3e-7 is the norm). Those among `chosen` (set on purpose, e.g. a larger
-    rope_theta for a longer context) are only said; others are refused, `chosen_how` naming how to set them."""
-    import math
-
+def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str, **kwargs) -> None:
+    """On the driver: the HF directory's config.json against the model to be built (see `check_weights_fit`)."""
     from ray_jax_train.models import load_hf_config
 
-    theirs = load_hf_config(path)
-    check_params_match(abstract_params(theirs)[1], abstract_params(config)[1], f"Hugging Face model in {path}", fix)
+    check_weights_fit(load_hf_config(path), f"Hugging Face model in {path}", config, fix, **kwargs)
+
+
+def check_checkpoint_fits(path: str, config: LlamaConfig, fix: str, **kwargs) -> None:
+    """On the driver: the model config a checkpoint of this package records against the model to be built. One
+    that records none (an older or foreign checkpoint) is left to the restore, which compares the arrays."""
+    from ray_jax_train.lm.export import _checkpoint_hf_config
+
+    saved = _checkpoint_hf_config(path)
+    if isinstance(saved, dict):
+        check_weights_fit(LlamaConfig.from_hf(saved), f"checkpoint {path}", config, fix, **kwargs)
+
+
+def check_weights_fit(theirs: LlamaConfig, where: str, config: LlamaConfig, fix: str, *, chosen=(),
+                      chosen_how: str = "", warn: bool = True) -> None:
+    """Starting weights made for `theirs` against the model to be built. Shapes: in the worker the same mismatch
+    came after Ray's start, tokenising and the train step's compile (of a model that may be huge). Rope and norm
+    settings: a model built with other ones loaded the weights without a word and computed other logits (a review:
+    1.6e-2 off Hugging Face's where 3e-7 is the norm). Those among `chosen` (set on purpose, e.g. a larger
+    rope_theta for a longer context) are only said (`warn`); others are refused, `chosen_how` naming how to set
+    them."""
+    import math
+
+    check_params_match(abstract_params(theirs)[1], abstract_params(config)[1], where, fix)
 
     def same(a, b) -> bool:
         if isinstance(a, float) and isinstance(b, float):
@@ -213,22 +228,22 @@ def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str, *, chosen=(), ch
         return a == b
 
     def listed(items) -> str:
-        return ", ".join(f"{k}={ours!r} (the directory's: {t!r})" for k, t, ours in items)
+        return ", ".join(f"{k}={ours!r} (the weights': {t!r})" for k, t, ours in items)
 
     differ = [(k, getattr(theirs, k), getattr(config, k)) for k in FUNCTION_FIELDS
               if not same(getattr(theirs, k), getattr(config, k))]
     chosen_here = [d for d in differ if d[0] in set(chosen)]
     if chosen_here and warn:
-        logger.warning("Training the weights of %s with %s, as set: they were trained with the directory's values.",
-                       path, listed(chosen_here))
+        logger.warning("Training the weights of the %s with %s, as set: they were trained with other values.",
+                       where, listed(chosen_here))
     refused = [d for d in differ if d[0] not in set(chosen)]
     if refused:
         wanted = ", ".join(f"{k!r}: {t!r}" for k, t, _ in refused)
         raise ValueError(
-            f"The Hugging Face model in {path} was trained with other rope or norm settings than the model to be "
-            f"built: {listed(refused)}. Its weights would load and compute other logits, silently. Build the model "
-            f"with the directory's values ({chosen_how.format(wanted=wanted) if chosen_how else wanted}), or set "
-            "them explicitly to train with others on purpose.")
+            f"The {where} was trained with other rope or norm settings than the model to be built: "
+            f"{listed(refused)}. Its weights would load and compute other logits, silently. Build the model with "
+            f"the weights' values ({chosen_how.format(wanted=wanted) if chosen_how else wanted}), or set them "
+            "explicitly to train with others on purpose.")
 
 
 def load_hf_params(path: str, config: LlamaConfig) -> Dict[str, Any]:
