@@ -168,12 +168,14 @@ def naming_the_bad_row(source: Any, what: str, *, text_column: str = "text", mes
         paths = source_paths(source)
         if not paths:
             raise
-        # Our own errors from the driver's first-row checks already name the dataset; Ray's name nothing.
-        said = str(exc) if isinstance(exc, TextDataError) else f"{what}: {read_error(exc)}"
+        # Ray's errors (also a RayTaskError(TextDataError) from a Ray Data task) name nothing and carry a traceback;
+        # our own, from the driver's first-row checks, already name the dataset.
+        from_ray = isinstance(exc, ray.exceptions.RayTaskError)
+        said = f"{what}: {read_error(exc)}" if from_ray else str(exc)
         where = where_the_bad_row_is(said, paths, text_column=text_column, messages_column=messages_column)
         if not where:
             raise
-        raise (type(exc) if isinstance(exc, TextDataError) else TextDataError)(said + where) from exc
+        raise (TextDataError if from_ray else type(exc))(said + where) from exc
 
 
 def _say_rows_left_out(rows: int, batch_size: int) -> None:
