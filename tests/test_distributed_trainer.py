@@ -403,6 +403,24 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
     with pytest.raises(MissingColumnError, match="holds token ids \\(input_ids\\) without targets and loss_mask.*"
                                                  "pack_documents"):
         prepare_lm_datasets([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}], None, None, args)
+    # Ray splits eval rows equally, rows // workers each: 7 rows over 2 workers left one out of eval_loss (a review).
+    # Rows that count for nothing make the split whole; every real row's loss tokens are still there.
+    made, _, _ = prepare_lm_datasets(rows, rows[:7], None, args.model_copy(update={"batch_size": 4, "num_workers": 2}))
+    evaluated = made["eval"].take_all()
+    assert len(evaluated) == 8 and sum(int(r["loss_mask"].sum()) for r in evaluated) == \
+        sum(int(r["loss_mask"].sum()) for r in rows[:7])
+    its = made["eval"].streaming_split(2, equal=True)
+    import threading
+
+    shares = [0, 0]
+
+    def read(i):
+        shares[i] = sum(int(b["loss_mask"].sum()) for b in its[i].iter_batches(batch_size=4, batch_format="numpy"))
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    [t.start() for t in readers]
+    [t.join() for t in readers]
+    assert sum(shares) == sum(int(r["loss_mask"].sum()) for r in rows[:7])  # no row left out by the split
     # eval_steps with no eval data evaluated nothing, without a word.
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.data"):
         prepare_lm_datasets(rows, None, None, args.model_copy(update={"batch_size": 4, "eval_steps": 2}),

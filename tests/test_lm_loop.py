@@ -112,6 +112,16 @@ def test_micro_batch_split_changes_nothing_for_uneven_token_counts():
     np.testing.assert_allclose([float(x) for x in out], float(out[0]), rtol=1e-6)
 
 
+def test_each_worker_shuffles_each_epoch_with_a_seed_of_its_own():
+    """With seed + epoch alone the workers shuffled alike: rows at one position of each shard met in every batch."""
+    from ray_jax_train.lm.loop import shuffle_seed
+
+    seeds = {shuffle_seed(seed, epoch, worker) for seed in range(3) for epoch in range(3) for worker in range(3)}
+    assert len(seeds) == 27  # seed 1's epoch 0 is not seed 0's epoch 1 either
+    assert shuffle_seed(5, 2, 1) == shuffle_seed(5, 2, 1)  # a resume shuffles as before
+    assert all(0 <= s < 2**32 for s in seeds)
+
+
 def test_training_arguments_reject_bad_values():
     with pytest.raises(ValueError, match="not divisible by gradient_accumulation_steps"):
         TrainingArguments(total_steps=10, batch_size=10, gradient_accumulation_steps=4)

@@ -121,7 +121,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     def open_epoch(epoch: int, skip: int):
         return iter_jax_batches("train", batch_size=args.batch_size, mesh=mesh, columns=columns, dtypes=np.int32,
                                 skip_batches=skip, local_shuffle_buffer_size=args.shuffle_buffer_size,
-                                local_shuffle_seed=args.seed + epoch if args.shuffle_buffer_size else None)
+                                local_shuffle_seed=shuffle_seed(args.seed, epoch, jax.process_index())
+                                if args.shuffle_buffer_size else None)
 
     checkpointer = _checkpointer(args, model_config)
     # A fresh run starts reading now, so Ray Data's first batch (seconds) arrives while the state is built and
@@ -630,6 +631,15 @@ def _warn_about_changed_settings(restored, current_opt_state, scheduler: str, to
                    "this config's numbers: the learning rate of step %d is %.3g (%.3g with the saved ones).",
                    restored.path, ", ".join(f"{name} {old:g} -> {new:g}" for name, (old, new) in changed.items()),
                    restored.step + 1, rate(hp), rate(saved))
+
+
+def shuffle_seed(seed: int, epoch: int, process: int) -> int:
+    """The local shuffle's seed for one epoch of one process: a function of all three, so a resume shuffles as before.
+    With `seed + epoch` alone every worker shuffled its shard the same way, and the rows at one position of each
+    shard met in one batch every epoch (a review); `seed + epoch` also gave seed 1's first epoch seed 0's second."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, epoch, process]).generate_state(1)[0])
 
 
 def _attention_in_use(model_config, mesh, args) -> str:
