@@ -127,7 +127,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     checkpointer = _checkpointer(args, model_config)
     # A fresh run starts reading now, so Ray Data's first batch (seconds) arrives while the state is built and
     # the step compiles; a resumed run must first learn from its checkpoint where in the data it stopped.
-    may_resume = checkpointer is not None and args.resume_if_possible and ray.train.get_checkpoint() is not None
+    may_resume = checkpointer is not None and args.resume_if_possible and checkpointer.has_resume_point()
     first_epoch = None if may_resume else open_epoch(0, 0)
 
     optimizer, schedule = make_optimizer(args, total_steps)
@@ -159,6 +159,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], fresh)
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
             resumed_at = restored.step
+            if first_epoch is not None:
+                # Opened at the data's start: has_resume_point said no on every process, so all reopen here alike.
+                logger.warning("A checkpoint turned up after the data was opened for a fresh start; the data is "
+                               "opened again at the checkpoint's position.")
+                first_epoch = None
             if rank0:  # the same on every worker
                 logger.info("Resuming at step %d from %s.", restored.step, restored.path)
             if not restored.data_state and restored.step:
