@@ -427,8 +427,8 @@ def _summary(args, result, info, started: float) -> None:
                      f"{evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
     relogged = resumed_steps(text)
     if relogged:  # the group failed and resumed from a checkpoint (or this command resumed an earlier run)
-        lines.append(f"restarts:    {len(relogged)} (resumed from the checkpoint of step "
-                     f"{', '.join(map(str, relogged))})")
+        starts = [f"step {s}" if s else "the start" for s in relogged]  # the start: no checkpoint was saved yet
+        lines.append(f"restarts:    {len(relogged)} (from {', '.join(starts)})")
     lines.append(f"metrics:     {os.path.join(run_dir, 'metrics.jsonl')}")
     if result.checkpoint is not None:
         kept = len(getattr(result, "best_checkpoints", None) or [])
