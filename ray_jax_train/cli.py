@@ -400,6 +400,8 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
     print(f"[ray-jax-train] training failed: {line}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
+    if line.startswith("CheckpointCorruptError: No usable checkpoint: all"):
+        resume = None  # the same command would fail on the same checkpoints: the error says what to do instead
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
         print(f"[ray-jax-train] resume:  {resume}", file=sys.stderr)
     return EXIT_FAILED

@@ -493,6 +493,27 @@ def test_a_worker_that_died_is_named_with_its_process_and_ray_s_reason():
     assert plain == "ValueError: bad batch ...", plain
 
 
+def test_a_run_whose_every_checkpoint_is_damaged_says_what_to_do_not_the_same_command(capsys):
+    """The CLI's one line ended inside TensorStore's object text, before the advice, and then offered the resume
+    command that fails the same way (a chaos review)."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_jax_train.checkpoint import CheckpointCorruptError
+    from ray_jax_train.checkpoint.core import _brief
+    from ray_jax_train.cli import _training_failed
+
+    tensorstore = ("Exception: Encountered error while reading array index: (slice(0, 32, 1),). See full TensorStore "
+                   "details: <bound method pybind11_detail_function_record_v1.spec of TensorStore({")
+    assert _brief(tensorstore) == "Exception: Encountered error while reading array index: (slice(0, 32, 1),)."
+    error = CheckpointCorruptError("No usable checkpoint: all 2 that this run keeps failed to restore, newest first "
+                                   "(checkpoint_2, checkpoint_1), so it cannot resume. Start a fresh run ...")
+    _training_failed(WorkerGroupError("...", {0: error}), False, "/runs/r", resume="ray-jax-train fit c.yaml")
+    err = capsys.readouterr().err
+    assert "training failed: CheckpointCorruptError: No usable checkpoint: all 2" in err and "resume:" not in err
+    _training_failed(WorkerGroupError("...", {0: ValueError("x")}), False, "/runs/r", resume="ray-jax-train fit c.yaml")
+    assert "resume:  ray-jax-train fit c.yaml" in capsys.readouterr().err
+
+
 def test_entry_points(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "ray-jax-train")
     done = subprocess.run([script, "config", "validate", TINY], capture_output=True, text=True, timeout=120)

@@ -523,6 +523,13 @@ def _json_types(value: Any, tuples_as_lists: bool = False):
     return type(value).__name__
 
 
+def _brief(problem: str, limit: int = 300) -> str:
+    """A restore problem without TensorStore's object dump ("See full TensorStore details: <bound method ..."),
+    which says nothing a user can act on and pushed the rest of the message out of sight."""
+    problem = problem.split(" See full TensorStore details", 1)[0]
+    return problem if len(problem) <= limit else problem[:limit] + " ..."
+
+
 def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """`metadata` as a dict, refused at construction (not at the first save, an hour in) if a save could not
     write it."""
@@ -1221,7 +1228,7 @@ class JaxCheckpointer:
             verdicts = _sync.allgather("restore", json.dumps([problem and problem[:1000], share, copies]),
                                        timeout_ms=self._timeout_ms)
             verdicts = [json.loads(v) for v in verdicts]
-            bad = [f"process {p}: {v}" for p, (v, _, _) in enumerate(verdicts) if v]
+            bad = [f"process {p}: {_brief(v)}" for p, (v, _, _) in enumerate(verdicts) if v]
             mismatch = next((v for v, _, _ in verdicts if v and v.startswith(_MISMATCH)), None)
             run_dir = next((v for v, _, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
             if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
@@ -1250,11 +1257,16 @@ class JaxCheckpointer:
                 logger.warning("Checkpoint %s; falling back to the previous checkpoint %s.", message, candidates[i + 1].uri)
             else:
                 logger.error("Checkpoint %s.", message)
+        if explicit:
+            raise CheckpointCorruptError(f"No usable checkpoint: {' | '.join(problems)}")
+        # The advice first: the problems of every checkpoint tried, one per process each, filled a terminal's line
+        # before it (a review: the CLI's one line ended inside TensorStore's object text).
         raise CheckpointCorruptError(
-            "No usable checkpoint: " + " | ".join(problems)
-            + ("" if explicit else ". Every checkpoint Ray still keeps failed; raise CheckpointConfig(num_to_keep) "
-               "to keep older ones to fall back to.")
-        )
+            f"No usable checkpoint: all {len(problems)} that this run keeps failed to restore, newest first "
+            f"({', '.join(loc.uri.rsplit('/', 1)[-1] for loc in candidates)}), so it cannot resume. Start a fresh "
+            "run under another name (RunConfig(name=...); on the command line, --set run.name=...), optionally from "
+            "earlier weights (final_model/, or a copy of a checkpoint), and keep more checkpoints to fall back to "
+            "(CheckpointConfig(num_to_keep)). What failed: " + " | ".join(problems))
 
     def _try_restore(self, loc: _Location, target, partial: bool = False,
                      explicit: bool = True) -> Tuple[Optional[Restored], Optional[str], Optional[list]]:
