@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import math
 import os
+import time
+import uuid
 from typing import Any, Callable, Dict, Optional, Union
 
 import ray
@@ -121,6 +124,7 @@ class JaxTrainer(DataParallelTrainer):
         controller's death, so a script or the CLI could not tell an interrupt from a failure."""
         if self.scaling_config.num_workers != 0:  # local mode runs in this process and needs no Ray of ours
             ensure_ray_leaves_cpu_for_data(self.scaling_config, _needs_data_tasks(self.datasets))
+        set_aside_a_broken_checkpoint_snapshot(self.run_config)
         self._interrupted = False
         self._controller = None
         try:
@@ -152,6 +156,44 @@ class JaxTrainer(DataParallelTrainer):
     def _create_default_callbacks(self):
         return _without_blind_cleaner(super()._create_default_callbacks()) + [
             AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits()]
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
+    """Ray refuses to start a run whose record of its checkpoints names one that is gone (deleted by hand, a copy
+    cut short) or does not parse, and advises a new name or deleting the folder: the good checkpoints with it (a
+    chaos review). The record is set aside instead (renamed, not deleted) and the run resumes from the newest
+    complete checkpoint left, which the built-in loop's checkpointer adopts; its path is returned."""
+
+    from ray_jax_train import storage
+
+    name, root = getattr(run_config, "name", None), getattr(run_config, "storage_path", None)
+    if not name or not root or getattr(run_config, "storage_filesystem", None) is not None:
+        return None
+    snapshot = storage.join(root, name, RAY_SNAPSHOT)
+    try:
+        text = storage.read_text(snapshot)
+    except (FileNotFoundError, OSError):
+        return None
+    try:
+        names = [r["checkpoint_dir_name"] for r in json.loads(text).get("checkpoint_results", [])]
+        gone = [n for n in names if not storage.exists(storage.join(root, name, n))]
+        problem = f"names {', '.join(gone)}, which {'is' if len(gone) == 1 else 'are'} gone" if gone else None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        problem = f"cannot be read ({exc})"
+    except OSError:
+        return None  # storage out of reach: Ray's start says so
+    if problem is None:
+        return None
+    aside = f"{snapshot}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    fs, path = storage.filesystem(snapshot)
+    fs.move(path, storage.filesystem(aside)[1])
+    logger.warning("Ray's record of the checkpoints of run %r (%s) %s; Ray would refuse to start the run. It is set aside "
+                   "as %s, and the run resumes from the newest complete checkpoint left in its directory.", name,
+                   snapshot, problem, aside)
+    return aside
 
 
 class SaysWhyItWaits(ControllerCallback):

@@ -266,6 +266,29 @@ def test_a_finished_save_ray_never_registered_is_resumed_from(uninterrupted, tmp
     assert [int(n.split("_")[1]) for n in _checkpoint_dirs(result)] == [TOTAL_STEPS - SAVE_EVERY, TOTAL_STEPS]
 
 
+def test_ray_s_record_naming_a_checkpoint_that_is_gone_is_set_aside_not_fatal(tmp_path, caplog):
+    """Ray refused to start such a run ("delete the existing folder": the good checkpoints with it). Set aside, the
+    run adopts the newest finished checkpoint left (tests/test_lm_loop.py resumes through a lost record)."""
+    from ray_jax_train.trainer import RAY_SNAPSHOT, set_aside_a_broken_checkpoint_snapshot
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint_000000002_ab").mkdir(parents=True)
+    record = {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_000000002_ab"}]}
+    (run_dir / RAY_SNAPSHOT).write_text(json.dumps(record))
+    config = RunConfig(name="run", storage_path=str(tmp_path))
+    assert set_aside_a_broken_checkpoint_snapshot(config) is None  # every checkpoint it names is there
+    assert set_aside_a_broken_checkpoint_snapshot(RunConfig(name="other", storage_path=str(tmp_path))) is None
+    record["checkpoint_results"].append({"checkpoint_dir_name": "checkpoint_000000004_ab"})
+    (run_dir / RAY_SNAPSHOT).write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="ray_jax_train.trainer"):
+        aside = set_aside_a_broken_checkpoint_snapshot(config)
+    assert aside and os.path.exists(aside) and not (run_dir / RAY_SNAPSHOT).exists()
+    assert "names checkpoint_000000004_ab, which is gone" in caplog.text
+    assert json.loads(open(aside).read()) == record  # renamed, not deleted
+    (run_dir / RAY_SNAPSHOT).write_text('{"checkpoint_res')  # cut short
+    assert set_aside_a_broken_checkpoint_snapshot(config) and not (run_dir / RAY_SNAPSHOT).exists()
+
+
 def test_two_workers_restore_onto_one(uninterrupted, tmp_path):
     clean_result, clean_out, _ = uninterrupted
     latest = clean_result.checkpoint.path
