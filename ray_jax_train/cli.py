@@ -503,7 +503,8 @@ def _say_it_resumes(info) -> None:
     at, total = info.get("resumes_at"), info["total_steps"]
     if info.get("resumes_from") is None:
         return
-    where = f"its checkpoint at step {at}" if at is not None else info["resumes_from"]
+    # "latest": the workers check it, and fall back to the one before if it does not restore (a chaos review).
+    where = f"its latest checkpoint, at step {at}" if at is not None else info["resumes_from"]
     print(f"[ray-jax-train] run {info['name']} exists: it resumes from {where} (a new run needs another "
           "run.name, or training.resume_if_possible false to start it over)", flush=True)
     if at is not None and at >= total:

@@ -217,7 +217,7 @@ def test_a_fit_under_a_used_name_says_it_resumes_and_when_nothing_is_left(run, c
     assert checkpoint_step(latest) == 4 and checkpoint_step(None) is None
     _say_it_resumes({"name": "export", "resumes_from": latest, "resumes_at": 4, "total_steps": 10})
     out, err = capsys.readouterr()
-    assert "run export exists: it resumes from its checkpoint at step 4" in out and not err
+    assert "run export exists: it resumes from its latest checkpoint, at step 4" in out and not err
     _say_it_resumes({"name": "export", "resumes_from": latest, "resumes_at": 4, "total_steps": 4})
     assert "at step 4 already, at or past training.total_steps=4: nothing is left to train" in capsys.readouterr().err
     _say_it_resumes({"name": "new", "resumes_from": None, "resumes_at": None, "total_steps": 4})
