@@ -376,6 +376,15 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {message}"
 
 
+def _worker_error(exc: BaseException) -> BaseException:
+    """The first worker's own exception behind a failed run (what `_error_line` reports), else the innermost cause."""
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    failures = getattr(cause, "worker_failures", None)
+    return failures[min(failures)] if failures else cause
+
+
 def _lost_worker(rank: int, failure: BaseException) -> str:
     """Which worker, where, and Ray's reason, from the error of a worker that died or stopped answering."""
     text = str(failure)
@@ -396,12 +405,12 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
         traceback.print_exception(exc)
     line = _error_line(exc)
     if config is not None:  # rows read while training (the data streams): which file, which line
-        line += _where_the_bad_row_is(line, config)
+        from ray_jax_train.text.errors import read_error
+
+        line += _where_the_bad_row_is(read_error(_worker_error(exc)), config)
     print(f"[ray-jax-train] training failed: {line}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
           file=sys.stderr)
-    if line.startswith("CheckpointCorruptError: No usable checkpoint: all"):
-        resume = None  # the same command would fail on the same checkpoints: the error says what to do instead
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
         print(f"[ray-jax-train] resume:  {resume}", file=sys.stderr)
     return EXIT_FAILED

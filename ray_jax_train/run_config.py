@@ -297,7 +297,8 @@ class ExperimentConfig(_Section):
                 weights_dir_kind(os.path.abspath(self.model.init_from))
             except FileNotFoundError as exc:
                 raise ConfigError(f"model.init_from: {exc}") from None
-            check_hf_init_dir(self, model, warn=False)  # said once, when the run is built
+            # Said once, when the run is built; the vocabulary (the tokenizer's) is known only then.
+            check_hf_init_dir(self, model, warn=False)
             check_hf_init_tokenizer(self)
         if self.tune is not None:
             for key, spec in self.tune.param_space.items():
@@ -963,9 +964,11 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, wa
             return
         try:
             check_checkpoint_fits(os.path.abspath(path), model_config, "Set the model section's sizes to those the "
-                                  "checkpoint's run trained (its config.yaml has them).",
+                                  "checkpoint's run trained (its config.yaml has them); the vocabulary is the "
+                                  "tokenizer's: tokenizer.path must name the one that run used.",
                                   chosen=set(config.model_fields_set_values()),
-                                  chosen_how="set them in the model section: {wanted}", warn=warn)
+                                  chosen_how="set them in the model section: {wanted}", warn=warn,
+                                  vocabulary_known=warn)
         except ValueError as exc:
             raise ConfigError(f"model.init_from: {exc}") from None
         return

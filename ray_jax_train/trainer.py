@@ -189,9 +189,15 @@ def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
         return None
     aside = f"{snapshot}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     fs, path = storage.filesystem(snapshot)
-    fs.move(path, storage.filesystem(aside)[1])
-    logger.warning("Ray's record of the checkpoints of run %r (%s) %s; Ray would refuse to start the run. It is set aside "
-                   "as %s, and the run resumes from the newest complete checkpoint left in its directory.", name,
+    try:
+        fs.move(path, storage.filesystem(aside)[1])
+    except OSError as exc:  # read-only storage, say: Ray's own refusal follows
+        logger.warning("Ray's record of the checkpoints of run %r (%s) %s, and could not be set aside: %s", name,
+                       snapshot, problem, exc)
+        return None
+    logger.warning("Ray's record of the checkpoints of run %r (%s) %s; Ray would refuse to start the run. It is set "
+                   "aside as %s. A loop that restores through JaxCheckpointer (the built-in one does) resumes from the "
+                   "newest complete checkpoint left in the run's directory; Ray itself offers none now.", name,
                    snapshot, problem, aside)
     return aside
 

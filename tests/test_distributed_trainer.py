@@ -405,7 +405,8 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
         prepare_lm_datasets([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}], None, None, args)
     # Ray splits eval rows equally, rows // workers each: 7 rows over 2 workers left one out of eval_loss (a review).
     # Rows that count for nothing make the split whole; every real row's loss tokens are still there.
-    made, _, _ = prepare_lm_datasets(rows, rows[:7], None, args.model_copy(update={"batch_size": 4, "num_workers": 2}))
+    as_lists = [{k: v.tolist() for k, v in row.items()} for row in rows[:7]]  # lists: a union failed on their blocks
+    made, _, _ = prepare_lm_datasets(rows, as_lists, None, args.model_copy(update={"batch_size": 4, "num_workers": 2}))
     evaluated = made["eval"].take_all()
     assert len(evaluated) == 8 and sum(int(r["loss_mask"].sum()) for r in evaluated) == \
         sum(int(r["loss_mask"].sum()) for r in rows[:7])

@@ -1263,9 +1263,10 @@ class JaxCheckpointer:
         # before it (a review: the CLI's one line ended inside TensorStore's object text).
         raise CheckpointCorruptError(
             f"No usable checkpoint: all {len(problems)} that this run keeps failed to restore, newest first "
-            f"({', '.join(loc.uri.rsplit('/', 1)[-1] for loc in candidates)}), so it cannot resume. Start a fresh "
-            "run under another name (RunConfig(name=...); on the command line, --set run.name=...), optionally from "
-            "earlier weights (final_model/, or a copy of a checkpoint), and keep more checkpoints to fall back to "
+            f"({', '.join(loc.uri.rsplit('/', 1)[-1] for loc in candidates)}). If the storage was out of reach, the "
+            "same run resumes once it reads again; if the files are damaged, start a fresh run under another name "
+            "(RunConfig(name=...); on the command line, --set run.name=...), optionally from earlier weights "
+            "(final_model/, or a copy of a checkpoint), and keep more checkpoints to fall back to "
             "(CheckpointConfig(num_to_keep)). What failed: " + " | ".join(problems))
 
     def _try_restore(self, loc: _Location, target, partial: bool = False,

@@ -309,15 +309,30 @@ def _padded_to_workers(eval_ds, workers: int):
     """The (materialized) eval rows, followed by rows that count for nothing (loss_mask 0) up to a multiple of the
     workers. Ray splits an eval set equally, rows // workers to each: the rest were left out of eval_loss without a
     word, so it moved with the worker count (a review: 1 of 7 rows left out with 2 workers)."""
-    import numpy as np
-    import ray.data
-
     short = -eval_ds.count() % max(workers, 1)
     if not short:
         return eval_ds
-    row = eval_ds.take(1)[0]
-    blank = {name: np.zeros_like(value) if name == "loss_mask" else np.asarray(value) for name, value in row.items()}
-    return _in_order(eval_ds.union(ray.data.from_items([blank] * short)))
+    # Both parts through one numpy map, so their blocks agree: rows given as lists (or read from JSON lines) and
+    # padding built from arrays made a union that failed where a batch spanned the two (a review).
+    rows = eval_ds.map_batches(_rows_as_arrays, batch_format="numpy")
+    blanks = [eval_ds.limit(1).map_batches(_rows_as_arrays, fn_kwargs={"blank": True}, batch_format="numpy")
+              for _ in range(short)]
+    return _in_order(rows.union(*blanks))
+
+
+def _rows_as_arrays(batch: Dict[str, Any], blank: bool = False) -> Dict[str, Any]:
+    """A numpy batch with its per-row lists stacked into 2-D arrays; `blank`: loss_mask zeroed."""
+    import numpy as np
+
+    out = {}
+    for name, column in batch.items():
+        if column.dtype == object:
+            try:
+                column = np.stack([np.asarray(value) for value in column])
+            except ValueError:  # ragged, or not numbers: left as it is
+                pass
+        out[name] = np.zeros_like(column) if blank and name == "loss_mask" else column
+    return out
 
 
 def _too_few_cpus(args: TrainingArguments) -> bool:

@@ -200,14 +200,20 @@ def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str, **kwargs) -> Non
     check_weights_fit(load_hf_config(path), f"Hugging Face model in {path}", config, fix, **kwargs)
 
 
-def check_checkpoint_fits(path: str, config: LlamaConfig, fix: str, **kwargs) -> None:
+def check_checkpoint_fits(path: str, config: LlamaConfig, fix: str, *, vocabulary_known: bool = True,
+                          **kwargs) -> None:
     """On the driver: the model config a checkpoint of this package records against the model to be built. One
-    that records none (an older or foreign checkpoint) is left to the restore, which compares the arrays."""
+    that records none (an older or foreign checkpoint) is left to the restore, which compares the arrays. Before
+    the tokenizer is loaded (`vocabulary_known=False`) the vocabulary is left out: a placeholder size refused every
+    checkpoint trained with a real tokenizer (a review)."""
     from ray_jax_train.lm.export import _checkpoint_hf_config
 
     saved = _checkpoint_hf_config(path)
     if isinstance(saved, dict):
-        check_weights_fit(LlamaConfig.from_hf(saved), f"checkpoint {path}", config, fix, **kwargs)
+        theirs = LlamaConfig.from_hf(saved)
+        if not vocabulary_known:
+            config = config.replace(vocab_size=theirs.vocab_size)
+        check_weights_fit(theirs, f"checkpoint {path}", config, fix, **kwargs)
 
 
 def check_weights_fit(theirs: LlamaConfig, where: str, config: LlamaConfig, fix: str, *, chosen=(),

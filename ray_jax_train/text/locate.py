@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 # Words of the errors worth a search: reading or decoding a file, or a row whose value is not what it should be.
-_DATA_ERROR_WORDS = ("decod", "json", "pars", "arrowinvalid", "unmatched", "utf-8", "not text", "holds a",
-                     "role", "conversation", "message")
+# Whole words where a part would match elsewhere ("role" in "controller").
+_DATA_ERROR = re.compile(r"decod|json|\bpars(e|ing)\b|arrowinvalid|unmatched|utf-8|not text|\bholds an? |\brole\b"
+                         r"|conversation", re.IGNORECASE)
 
 
 BAD_ROW_FOUND = "The first row that cannot be read as a document"
@@ -22,8 +24,7 @@ BAD_ROW_FOUND = "The first row that cannot be read as a document"
 
 def looks_like_a_bad_row(message: str) -> bool:
     """Whether an error's text points at the data's rows (not a missing file, a tokenizer or a cluster)."""
-    lowered = message.lower()
-    return any(word in lowered for word in _DATA_ERROR_WORDS)
+    return bool(_DATA_ERROR.search(message))
 
 
 def find_bad_row(paths: Sequence[str], *, text_column: str = "text", messages_column: str = "messages",
@@ -74,7 +75,7 @@ def _check_file(file: str, format: Optional[str], text_column: str, messages_col
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw.decode("utf-8"))
+            row = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))  # a line cut short: "Unterminated string"
         except UnicodeDecodeError as exc:
             return f"line {number}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
         except ValueError as exc:
