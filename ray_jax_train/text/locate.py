@@ -32,14 +32,10 @@ def find_bad_row(paths: Sequence[str], *, text_column: str = "text", messages_co
     """'<file>, line N: <what is wrong>' for the first row of the local files under `paths` that cannot be read as
     training text, or None (nothing found, URIs, or the budget ran out). JSON lines and text are read line by line
     (compressed ones too); a .json array whole; Parquet by its schema only; CSV not at all."""
-    from .sources import _files_under, _format_of
-    from .. import storage
+    from .sources import _format_of, local_files
 
-    if not paths or any(storage.is_uri(p) for p in paths):
-        return None
-    try:
-        files = [f for p in paths for f, size in _files_under(p) if size > 0]
-    except OSError:
+    files = local_files(paths)
+    if files is None:
         return None
     deadline = time.monotonic() + budget_s
     for file in files:

@@ -99,11 +99,8 @@ def peek_columns_each(paths: Sequence[str], rows: int = 20,
     name read as null text, and its rows were dropped without a word. None where the first file cannot be peeked
     cheaply (URIs, a .json array, a file that does not parse); later files that cannot are left out (reading them
     says why)."""
-    if not paths or any(storage.is_uri(p) for p in paths):
-        return None
-    try:
-        found = [f for p in paths for f, size in _files_under(p) if size > 0]
-    except OSError:
+    found = local_files(paths)
+    if found is None:
         return None
     formats = {_format_of(f) for f in found} - {None}
     if len(formats) != 1:
@@ -117,6 +114,17 @@ def peek_columns_each(paths: Sequence[str], rows: int = 20,
         if columns is not None:
             peeked.append((file, columns))
     return peeked
+
+
+def local_files(paths: Sequence[str]) -> list[str] | None:
+    """The non-empty files under local `paths`, for the driver's cheap reads; None for URIs (far away, maybe large)
+    or paths it cannot list (reading them says why)."""
+    if not paths or any(storage.is_uri(p) for p in paths):
+        return None
+    try:
+        return [f for p in paths for f, size in _files_under(p) if size > 0]
+    except OSError:
+        return None
 
 
 def _columns_of(file: str, format: str, rows: int, head_bytes: int) -> list[str] | None:
