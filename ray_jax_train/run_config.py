@@ -928,14 +928,13 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> Optional[str
             f"({'; '.join(changed)}), so the checkpoint cannot be restored. Resume with the model (and tokenizer) "
             "settings the run started with, or start a fresh run under another name (--set run.name=...; in "
             "Python, RunConfig(name=...)), optionally from that checkpoint as model.init_from.")
-    from ray_jax_train.lm.state import FUNCTION_FIELDS
+    from ray_jax_train.lm.state import function_differences
 
     try:
         before = LlamaConfig.from_hf(saved)
     except ValueError:
         return checkpoint
-    moved = [f"{k} {getattr(before, k)!r} -> {getattr(model_config, k)!r}" for k in FUNCTION_FIELDS
-             if getattr(before, k) != getattr(model_config, k)]
+    moved = [f"{k} {old!r} -> {new!r}" for k, old, new in function_differences(before, model_config)]
     if moved:  # the shapes fit, so it resumes; a change of what the weights compute is worth a line
         logging.getLogger(__name__).warning(
             "This run resumes from %s with other rope or norm settings than it trained with (%s): the weights will "

@@ -216,6 +216,19 @@ def check_checkpoint_fits(path: str, config: LlamaConfig, fix: str, *, vocabular
         check_weights_fit(theirs, f"checkpoint {path}", config, fix, **kwargs)
 
 
+def function_differences(before: LlamaConfig, now: LlamaConfig) -> list:
+    """[(field, before's value, now's value)] of the FUNCTION_FIELDS in which two model configs differ."""
+    import math
+
+    def same(a, b) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return math.isclose(a, b, rel_tol=1e-9)
+        return a == b
+
+    return [(k, getattr(before, k), getattr(now, k)) for k in FUNCTION_FIELDS
+            if not same(getattr(before, k), getattr(now, k))]
+
+
 def check_weights_fit(theirs: LlamaConfig, where: str, config: LlamaConfig, fix: str, *, chosen=(),
                       chosen_how: str = "", warn: bool = True) -> None:
     """Starting weights made for `theirs` against the model to be built. Shapes: in the worker the same mismatch
@@ -224,20 +237,12 @@ def check_weights_fit(theirs: LlamaConfig, where: str, config: LlamaConfig, fix:
     1.6e-2 off Hugging Face's where 3e-7 is the norm). Those among `chosen` (set on purpose, e.g. a larger
     rope_theta for a longer context) are only said (`warn`); others are refused, `chosen_how` naming how to set
     them."""
-    import math
-
     check_params_match(abstract_params(theirs)[1], abstract_params(config)[1], where, fix)
-
-    def same(a, b) -> bool:
-        if isinstance(a, float) and isinstance(b, float):
-            return math.isclose(a, b, rel_tol=1e-9)
-        return a == b
 
     def listed(items) -> str:
         return ", ".join(f"{k}={ours!r} (the weights': {t!r})" for k, t, ours in items)
 
-    differ = [(k, getattr(theirs, k), getattr(config, k)) for k in FUNCTION_FIELDS
-              if not same(getattr(theirs, k), getattr(config, k))]
+    differ = function_differences(theirs, config)
     chosen_here = [d for d in differ if d[0] in set(chosen)]
     if chosen_here and warn:
         logger.warning("Training the weights of the %s with %s, as set: they were trained with other values.",
