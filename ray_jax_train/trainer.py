@@ -166,7 +166,6 @@ def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
     cut short) or does not parse, and advises a new name or deleting the folder: the good checkpoints with it (a
     chaos review). The record is set aside instead (renamed, not deleted) and the run resumes from the newest
     complete checkpoint left, which the built-in loop's checkpointer adopts; its path is returned."""
-
     from ray_jax_train import storage
 
     name, root = getattr(run_config, "name", None), getattr(run_config, "storage_path", None)
@@ -175,7 +174,7 @@ def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
     snapshot = storage.join(root, name, RAY_SNAPSHOT)
     try:
         text = storage.read_text(snapshot)
-    except (FileNotFoundError, OSError):
+    except OSError:  # none yet (a new run), or storage out of reach: Ray's start says so
         return None
     try:
         names = [r["checkpoint_dir_name"] for r in json.loads(text).get("checkpoint_results", [])]
