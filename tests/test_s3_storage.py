@@ -121,3 +121,27 @@ def test_a_checkpoint_in_s3_exports_through_its_endpoint_uri(s3_endpoint, run, t
     bucket.delete_file(f"{BUCKET}/exported-run/{os.path.basename(latest)}/commit_success.txt")
     with pytest.raises(Exception, match=r"commit_success.txt is missing \(an unfinished or damaged save\)"):
         rjt.export_checkpoint(f"s3://{BUCKET}/exported-run/{os.path.basename(latest)}{query}", tmp_path / "out2")
+
+
+def test_starting_weights_at_a_uri_are_looked_up_on_the_driver(s3_endpoint):
+    """`model.init_from` / `checkpoint_path` as a URI: a typo, a run directory given for one of its checkpoints,
+    or a Hugging Face directory (read from local disk only) fail on the driver with the fix, not as TensorStore
+    errors on every worker once the cluster is up."""
+    from ray_jax_train.lm.state import init_spec, weights_dir_kind
+
+    query = f"?endpoint_override={s3_endpoint}&region=us-east-1"
+    bucket = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", region="us-east-1")
+    for name in ("run/checkpoint_000000002_aa/_CHECKPOINT_METADATA", "run/checkpoint_000000004_bb/_CHECKPOINT_METADATA",
+                 "run/checkpoint_000000006_cc/state/_METADATA", "hf/config.json", "hf/model.safetensors"):
+        with bucket.open_output_stream(f"{BUCKET}/weights/{name}") as f:
+            f.write(b"{}")
+    uri = f"s3://{BUCKET}/weights"
+    assert init_spec(checkpoint_path=f"{uri}/run/checkpoint_000000004_bb{query}") == {
+        "source": "checkpoint", "path": f"{uri}/run/checkpoint_000000004_bb{query}"}
+    with pytest.raises(FileNotFoundError, match=r"weights/rnu\?endpoint_override=\S+ does not exist"):
+        init_spec(checkpoint_path=f"{uri}/rnu{query}")
+    # The unfinished step-6 save is not offered; the URI offered keeps its endpoint.
+    with pytest.raises(FileNotFoundError, match=re.escape(f"the latest is {uri}/run/checkpoint_000000004_bb{query}")):
+        weights_dir_kind(f"{uri}/run{query}")
+    with pytest.raises(FileNotFoundError, match=r"Hugging Face model directory in remote storage.*copy it"):
+        weights_dir_kind(f"{uri}/hf{query}")

@@ -368,8 +368,7 @@ def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) 
         path = os.fspath(checkpoint_path)
         if "://" not in path:
             path = os.path.abspath(path)
-            return {"source": weights_dir_kind(path), "path": path}
-        return {"source": "checkpoint", "path": path}
+        return {"source": weights_dir_kind(path), "path": path}
     return {"source": "scratch"}
 
 
@@ -388,21 +387,34 @@ def _check_visible_here(path: str) -> None:
 
 
 def weights_dir_kind(path: str) -> str:
-    """"hf" or "checkpoint" for a local directory to start from; otherwise FileNotFoundError saying what to give.
+    """"hf" or "checkpoint" for a directory to start from; otherwise FileNotFoundError saying what to give.
 
     Checked on the driver, so a run directory given instead of one of its checkpoints fails before workers start
-    and names the checkpoint that was probably meant.
+    and names the checkpoint that was probably meant. A URI (gs://, s3://) is looked up the same way: a typo in
+    it would otherwise surface as a TensorStore error on every worker, after the cluster started.
     """
-    if not os.path.isdir(path):
+    import pyarrow.fs as pafs
+
+    from ray_jax_train.storage import filesystem, is_uri, join
+
+    fs, fs_path = filesystem(path)
+    if fs.get_file_info(fs_path).type != pafs.FileType.Directory:
         raise FileNotFoundError(f"{path} does not exist: give a Hugging Face model directory or a checkpoint "
                                 "directory (<run>/checkpoint_...) to start from.")
-    if is_hf_model_dir(path):
+    names = {os.path.basename(info.path.rstrip("/")): info.type
+             for info in fs.get_file_info(pafs.FileSelector(fs_path))}
+    if "config.json" in names and any(name.endswith(".safetensors") for name in names):
+        if is_uri(path):
+            raise FileNotFoundError(f"{path} is a Hugging Face model directory in remote storage, which is read "
+                                    "from local disk only: copy it to a path every node reads, or start from a "
+                                    "ray_jax_train checkpoint (<run>/checkpoint_...), which is read from a URI.")
         return "hf"
-    if os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
+    if "_CHECKPOINT_METADATA" in names:
         return "checkpoint"
-    inside = sorted(d for d in os.listdir(path)
-                    if d.startswith("checkpoint_") and os.path.exists(os.path.join(path, d, "_CHECKPOINT_METADATA")))
-    hint = f" It holds checkpoints; the latest is {os.path.join(path, inside[-1])}." if inside else ""
+    inside = sorted(name for name, kind in names.items() if name.startswith("checkpoint_")
+                    and kind == pafs.FileType.Directory
+                    and fs.get_file_info(join(fs_path, name, "_CHECKPOINT_METADATA")).type == pafs.FileType.File)
+    hint = f" It holds checkpoints; the latest is {join(path, inside[-1])}." if inside else ""
     raise FileNotFoundError(
         f"{path} is neither a Hugging Face model directory (config.json and *.safetensors) nor a ray_jax_train "
         f"checkpoint (no _CHECKPOINT_METADATA).{hint}")
