@@ -535,6 +535,11 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
     with pytest.raises(ValueError, match="mixes file formats"):
         load_text_dataset(tmp_path)  # a directory mixing four formats
+    # Paths of different formats are read each by its own reader and joined. A map's batch spanning JSON's
+    # pandas blocks and Parquet's Arrow ones failed inside Ray Data.
+    mixed = load_text_dataset([tmp_path / "d.jsonl", tmp_path / "d.parquet", tmp_path / "d.csv"])
+    assert sorted(r["text"] for r in mixed.map_batches(lambda t: t.select(["text"]), batch_format="pyarrow",
+                                                        batch_size=6).take_all()) == ["alpha"] * 3 + ["beta"] * 3
     # A URI (file:// here; gs:// and s3:// take the same path): a directory is listed through its filesystem,
     # metadata files skipped, and Ray Data reads the URIs.
     (tmp_path / "uri").mkdir()

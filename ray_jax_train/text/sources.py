@@ -55,27 +55,55 @@ def _files_under(path: str) -> list[tuple[str, int]]:
 
 
 def _read_paths(paths: Sequence[str], format: str | None):
-    import ray.data
-
-    found = [f for p in paths for f in _files_under(p)]
+    listed = [(p, _files_under(p)) for p in paths]
+    found = [f for _, under in listed for f in under]
     if not found:
         raise EmptyDatasetError(f"no files found under {list(paths)}")
-    files = [f for f, _ in found]
-    if format is None:
-        formats = {_format_of(f) for f in files} - {None}
-        if len(formats) > 1:  # format= would not help: one reader would get every file
-            raise TextDataError(f"{list(paths)} mixes file formats ({', '.join(sorted(formats))}); a source must be "
-                                "of one format. List only the files of one format (data.source in a config takes a "
-                                "list of paths), or keep each format in a directory of its own")
-        if not formats:
-            raise TextDataError(f"cannot tell the file format of {list(paths)}: no file ends in "
-                                f"{', '.join(_FORMATS)} (optionally compressed, e.g. .jsonl.gz). Rename the files, "
-                                "or in Python pass format='json', 'parquet', 'csv' or 'text'")
-        format = formats.pop()
-        found = [(f, size) for f, size in found if _format_of(f) == format]
-        files = [f for f, _ in found]
     if all(size == 0 for _, size in found):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
+    if format is not None:
+        return _read_files(found, format)
+    # Each path is of one format, so a stray notes.txt beside the .jsonl files of a directory is refused rather
+    # than trained on; paths of different formats (a .jsonl file and a Parquet directory) are read each with its
+    # own reader and joined in the order given.
+    groups: list[tuple[str, list[tuple[str, int]]]] = []
+    for path, under in listed:
+        formats = {_format_of(f) for f, _ in under} - {None}
+        if len(formats) > 1:  # format= would not help: one reader would get every file
+            raise TextDataError(f"{path!r} mixes file formats ({', '.join(sorted(formats))}); the files of one path "
+                                "must be of one format. Keep each format in a directory of its own, or list the "
+                                "files as separate paths (data.source in a config takes a list of paths, each of "
+                                "its own format)")
+        if not formats and under:
+            raise TextDataError(f"cannot tell the file format of {path!r}: no file ends in "
+                                f"{', '.join(_FORMATS)} (optionally compressed, e.g. .jsonl.gz). Rename the files, "
+                                "or in Python pass format='json', 'parquet', 'csv' or 'text'")
+        if not formats:
+            continue
+        kind = formats.pop()
+        files = [(f, size) for f, size in under if _format_of(f) == kind]
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].extend(files)
+        else:
+            groups.append((kind, files))
+    parts = [_read_files(files, kind) for kind, files in groups if any(size for _, size in files)]
+    if len(parts) == 1:
+        return parts[0]
+    # JSON reads give pandas blocks, Parquet reads Arrow ones, and a batch spanning both fails inside Ray Data:
+    # every part is made Arrow in its read tasks.
+    arrow = [part.map_batches(_as_is, batch_format="pyarrow", zero_copy_batch=True) for part in parts]
+    return arrow[0].union(*arrow[1:])
+
+
+def _as_is(batch):
+    return batch
+
+
+def _read_files(found: list[tuple[str, int]], format: str):
+    """One Ray Data read of files in one format."""
+    import ray.data
+
+    files = [f for f, _ in found]
     if not any(storage.is_uri(f) for f in files) and _nodes_missing(found):
         files = ["local://" + os.path.abspath(f) for f in files]
     if format == "json":
@@ -102,13 +130,9 @@ def peek_columns_each(paths: Sequence[str], rows: int = 20,
     found = local_files(paths)
     if found is None:
         return None
-    formats = {_format_of(f) for f in found} - {None}
-    if len(formats) != 1:
-        return None
-    format = formats.pop()
     peeked: list[tuple[str, list[str]]] = []
-    for file in [f for f in found if _format_of(f) == format][:max_files]:
-        columns = _columns_of(file, format, rows, head_bytes=1 << 20 if not peeked else 1 << 16)
+    for file in [f for f in found if _format_of(f) is not None][:max_files]:
+        columns = _columns_of(file, _format_of(file), rows, head_bytes=1 << 20 if not peeked else 1 << 16)
         if columns is None and not peeked:
             return None
         if columns is not None:
