@@ -269,6 +269,8 @@ class _RowCount:
 class NoFullBatchError(ValueError):
     """The data read holds fewer rows than one global batch: a loop over it would end at once, as if trained."""
 
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
+
 
 def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int):
     """Pass `batches` on; if there were none although rows were read, raise, saying why: a loop over them just

@@ -153,6 +153,12 @@ class JaxTrainer(DataParallelTrainer):
 
         signal.signal(signal.SIGINT, note_then_abort)
 
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        from ray_jax_train.retries import RetriesSkipRepeatedErrors
+
+        controller_init_kwargs["failure_policy"] = RetriesSkipRepeatedErrors(self.run_config.failure_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
     def _create_default_callbacks(self):
         return _without_blind_cleaner(super()._create_default_callbacks()) + [
             AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits()]

@@ -481,3 +481,33 @@ def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster, caplog)
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.data"):
         assert list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh, skip_batches=3)) == []
     assert "skip_batches=3): the data holds only 1 global batches" in caplog.text
+
+
+def test_retries_skip_errors_that_every_attempt_would_repeat():
+    """Ray's own policy, decided on the errors as workers raise them: a checkpoint of another model (in a custom
+    loop too), NaN, unreadable data end the run at the first attempt, even with max_failures=-1 (it restarted the
+    group forever); a lost worker is still retried up to max_failures. The built-in loop's end-to-end case is
+    test_lm_loop's no-loss-tokens test."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_jax_train.checkpoint import CheckpointMismatchError
+    from ray_jax_train.retries import RetriesSkipRepeatedErrors
+    from ray_jax_train.text.errors import MissingColumnError
+
+    class MyDataIsWrong(ValueError):
+        retry_repeats_it = True
+
+    def failed(*errors):
+        return WorkerGroupError("failed", dict(enumerate(errors)))
+
+    lost = RuntimeError("The actor died unexpectedly before finishing this task.")
+    wrapped = RuntimeError("reading the data failed")
+    wrapped.__cause__ = MissingColumnError("no text column")
+    for repeated in (CheckpointMismatchError("shapes differ"), wrapped, MyDataIsWrong("bad"),
+                     rjt.NonFiniteLossError("nan"), rjt.NoFullBatchError("too few rows")):
+        policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
+        assert policy.make_decision(failed(lost, repeated)) == FailureDecision.RAISE, repeated
+    policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=2))
+    assert [policy.make_decision(failed(lost)) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]

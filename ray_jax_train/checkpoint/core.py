@@ -63,6 +63,8 @@ class CheckpointMismatchError(ValueError):
     checkpoint corrupt would send the user looking for damage that is not there.
     """
 
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
+
 
 _MISMATCH = "holds a different train state than this run builds: "
 _RUN_DIR = "is not a checkpoint but a directory of checkpoints: "

@@ -36,7 +36,6 @@ from ray_jax_train.lm.export import GENERATION_CONFIG, HF_CONFIG_KEY, MODEL_FILE
 
 logger = logging.getLogger(__name__)
 
-NONFINITE_FILE = "nonfinite.json"  # in the run directory: where and why an attempt of this fit() stopped for good
 DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 # Facts about start-up that only the first logged record of an attempt carries.
 STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device",
@@ -194,19 +193,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         # After the restore: a resume with another model config fails there, and must not first overwrite the
         # config that the run's earlier checkpoints export with.
         outputs.save_model_files(model_config, config.get("tokenizer"), config.get("generation_config"))
-    run_id = _train_run_id()
-    went_nan = outputs.nonfinite_record(run_id)
-    if went_nan is not None and went_nan.get("error") == NoLossTokensError.__name__:
-        raise NoLossTokensError(
-            f"An earlier attempt of this run stopped at step {went_nan['step']} with nothing to learn from the data; "
-            "a retry would only repeat it, so this attempt stops instead of spending FailureConfig's retries. The "
-            f"earlier error: {went_nan.get('message', '')}")
-    if went_nan is not None:  # every process reads the same file: all stop here together
-        raise NonFiniteLossError(
-            f"An earlier attempt of this run went NaN at step {went_nan['step']}; resuming at step {step} with the "
-            "same settings would train into it again, so this attempt stops instead of spending FailureConfig's "
-            f"retries (meant for lost workers). Fix the cause and call fit() again. The earlier error: "
-            f"{went_nan.get('message', '')}")
     metrics_file = outputs.metrics_file() if rank0 else None
     # progress_bar=False turns the bar off, not the progress: a Tune example set it, and its trials logged nothing
     # until the search ended.
@@ -255,17 +241,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         finish_log_ahead()  # the last log step's record first: a save is a sync anyway
         jax.block_until_ready(state)  # the finite check below is a program with collectives: not beside the step
         if pending:
-            _stop_if_not_finite(_fetch(pending), step, checkpointer, remember)
-        _stop_if_state_not_finite(state, step, checkpointer, remember)
+            _stop_if_not_finite(_fetch(pending), step, checkpointer)
+        _stop_if_state_not_finite(state, step, checkpointer)
         return {**last, "step": step}  # the last log step's metrics, at the step saved
-
-    def remember(bad_step: int, message: str, error: type = NonFiniteLossError) -> None:
-        from ray_jax_train.checkpoint import _sync
-
-        if rank0:
-            outputs.remember_nonfinite(run_id, bad_step, message, error.__name__)
-        # The others raise only once it is written: the first error seen tears the group down, rank 0 included.
-        _sync.allgather("nonfinite", "1", key=f"nonfinite/{bad_step}")
 
     position = resume_position(data_pos, args.batch_size, warn=rank0)
     loss_tokens_seen, startup_step = 0.0, step
@@ -288,15 +266,13 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         record, at = entry["record"], entry["record"]["step"]
         if entry["stacked"] is not None:
             stacked = jax.device_get(entry["stacked"])
-            _stop_if_not_finite(stacked, at, checkpointer, remember)
+            _stop_if_not_finite(stacked, at, checkpointer)
             record.update(_summarise(stacked, at, schedule))
             loss_tokens_seen += record["loss_tokens"]
             # The same global sum on every process: all raise together. Not at the first log step: data sorted
             # with its plain-text rows first may start with a few batches of nothing.
             if not loss_tokens_seen and (at - startup_step >= _NO_LOSS_TOKENS_STEPS or at >= total_steps):
-                message = _NO_LOSS_TOKENS.format(steps=at - startup_step)
-                remember(at, message, NoLossTokensError)
-                raise NoLossTokensError(message)
+                raise NoLossTokensError(_NO_LOSS_TOKENS.format(steps=at - startup_step))
             record.update(throughput.read())
         if entry["due_eval"]:
             record.update(evaluate())
@@ -500,9 +476,13 @@ def _with_mesh(mesh, fn):
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm went NaN or infinite: every later step and checkpoint would hold NaN weights."""
 
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
+
 
 class NoLossTokensError(ValueError):
     """No token of the data counts for the loss (chats without assistant turns, all-zero loss masks)."""
+
+    retry_repeats_it = True
 
 
 def _write_unfinished(entry: Dict[str, Any], metrics_file, schedule) -> None:
@@ -540,13 +520,12 @@ def _fetch(pending: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
     return jax.device_get(_to_host_soon(pending))
 
 
-def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer,
-                        remember: Optional[Callable[[int, str], None]] = None) -> None:
+def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpointer) -> None:
     """Raise at the first step whose loss or gradient norm is not finite, after the save in flight is safe.
 
     Every worker sees the same global values, so all raise together. Without this the run trained on NaN weights
-    to the end, and each periodic save pushed a good checkpoint out of `num_to_keep`. `remember(step)` records it
-    for the run's next attempt, which would only repeat it.
+    to the end, and each periodic save pushed a good checkpoint out of `num_to_keep`. FailureConfig does not retry
+    it: an attempt resumed from the last checkpoint would only repeat it (`ray_jax_train.retries`).
     """
     bad = ~(np.isfinite(stacked["loss"]) & np.isfinite(stacked["grad_norm"]))
     if not bad.any():
@@ -562,12 +541,10 @@ def _stop_if_not_finite(stacked: Dict[str, np.ndarray], last_step: int, checkpoi
         "rate too high for the model (lower learning_rate, add warmup_steps, keep max_grad_norm set), float16 "
         "weights, which train without loss scaling here (use bfloat16), or a data_collator that feeds ids outside "
         "[0, vocab_size).")
-    if remember is not None:
-        remember(bad_step, message)
     raise NonFiniteLossError(message)
 
 
-def _stop_if_state_not_finite(state, step: int, checkpointer, remember: Callable[[int, str], None]) -> None:
+def _stop_if_state_not_finite(state, step: int, checkpointer) -> None:
     """A step's loss and gradient norm are computed before its update, so an update that overflows (a learning rate
     past float32's range, an optimizer dividing by a flushed-to-zero epsilon) leaves them finite and the weights
     not. Checked on save steps only: one fused reduction over the state, small beside writing it."""
@@ -580,7 +557,6 @@ def _stop_if_state_not_finite(state, step: int, checkpointer, remember: Callable
         "of every step so far were (they are computed before each update), so the run stops before saving them "
         "(checkpoints saved before this step are kept). "
         "Usual cause: a learning rate (or weight_decay times it) so high that the update overflows float32.")
-    remember(step, message)
     raise NonFiniteLossError(message)
 
 
@@ -675,16 +651,6 @@ def _checkpointer(args, model_config):
                            orbax_info_logs=logging.getLogger("absl").getEffectiveLevel() <= logging.INFO)
 
 
-def _train_run_id() -> Optional[str]:
-    """Ray Train's id of this `fit()`: the same in every attempt (worker group restart) of it, new in the next fit."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return str(get_train_context().train_run_context.run_id)
-    except Exception:  # another Ray version: no record, and a retry simply runs into the NaN again
-        return None
-
-
 class RunOutputs:
     """Where the loop writes `metrics.jsonl` and `final_model/`: the run's directory in Ray's storage, a shared
     path or a URI (gs://, s3://) alike, so the outputs do not depend on which node rank 0 runs on."""
@@ -698,28 +664,6 @@ class RunOutputs:
 
         storage = ray.train.get_context().get_storage()
         return cls(storage.storage_filesystem, storage.experiment_fs_path)
-
-    def nonfinite_record(self, run_id: Optional[str]) -> Optional[Dict[str, Any]]:
-        """{step, message} of an earlier attempt of this same `fit()` (Ray's run id) that went NaN, or None."""
-        if run_id is None:
-            return None
-        try:
-            with self.filesystem.open_input_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
-                record = json.loads(f.read().decode())
-        except (FileNotFoundError, OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) and record.get("run_id") == run_id else None
-
-    def remember_nonfinite(self, run_id: Optional[str], step: int, message: str,
-                           error: str = "NonFiniteLossError") -> None:
-        """Record an error that a retry of this `fit()` would only repeat (NaN, or data with nothing to learn)."""
-        if run_id is None:
-            return
-        try:
-            with self.filesystem.open_output_stream(f"{self.run_path}/{NONFINITE_FILE}") as f:
-                f.write(json.dumps({"run_id": run_id, "step": step, "message": message, "error": error}).encode())
-        except OSError as exc:  # the error itself must still be raised
-            logger.warning("Could not record the error for a retry to see: %s", exc)
 
     def metrics_file(self):
         from ray_jax_train.storage import AppendOnlyFile

@@ -9,6 +9,8 @@ import re
 class TextDataError(ValueError):
     """Base class: the input data or tokenizer cannot be turned into training sequences."""
 
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
+
 
 class MissingColumnError(TextDataError):
     """Neither the text column nor the messages column exists."""
