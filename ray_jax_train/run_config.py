@@ -839,7 +839,7 @@ def check_data_columns(config: ExperimentConfig) -> None:
             except TextDataError as exc:
                 raise ConfigError(f"data.{which}: {file} differs from {first}: {exc} Every file must hold the same "
                                   "column: rename it in that file, or leave the file out.") from None
-        tokenizer_dir = config.tokenizer.path or hf_tokenizer_dir(config)
+        tokenizer_dir = config.tokenizer.path or init_tokenizer_dir(config)
         if kind != "messages" or tokenizer_dir is None or is_uri(tokenizer_dir):
             continue  # a tokenizer trained at run time gets a chat template that marks assistant turns
         try:
@@ -982,23 +982,40 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, wa
 
 
 def check_hf_init_tokenizer(config: ExperimentConfig) -> None:
-    """Weights from a Hugging Face directory without a tokenizer need the tokenizer they were trained with: one
-    trained at run time has the same size but other ids (the fine-tune would start from scrambled embeddings)."""
+    """Starting weights need the tokenizer they were trained with: one trained at run time has the same size but
+    other ids (the fine-tune would start from scrambled embeddings, and no shape check can see it)."""
+    if config.tokenizer.path is not None or config.model.init_from is None or init_tokenizer_dir(config) is not None:
+        return
     hf_dir = config.hf_init_dir()
-    if hf_dir is not None and config.tokenizer.path is None and hf_tokenizer_dir(config) is None:
+    if hf_dir is not None:
         raise ConfigError(
             f"model.init_from: {hf_dir} has model weights but no tokenizer (tokenizer.json or tokenizer_config.json), "
             "and a tokenizer trained now would give its token ids other meanings. Set tokenizer.path to the "
             "directory of the tokenizer the model was trained with, or save that tokenizer into the model directory "
             "(tokenizer.save_pretrained(dir)).")
+    raise ConfigError(
+        f"model.init_from: the run of checkpoint {config.model.init_from} kept no tokenizer beside it (<run>/model/ "
+        "or <run>/tokenizer/), and a tokenizer trained now would give its token ids other meanings. Set "
+        "tokenizer.path to the directory of the tokenizer that run used.")
 
 
-def hf_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
-    """`model.init_from` when it is a Hugging Face directory with a tokenizer: the ids its weights were trained on."""
+def init_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
+    """The tokenizer the starting weights (`model.init_from`) were trained with: a Hugging Face directory's own, or
+    the one a checkpoint's run kept (`<run>/model/`, else the `<run>/tokenizer/` it trained). None when there is
+    none, or the checkpoint is at a URI."""
     hf_dir = config.hf_init_dir()
-    if hf_dir is not None and any(os.path.isfile(os.path.join(hf_dir, name))
-                                  for name in ("tokenizer.json", "tokenizer_config.json")):
-        return hf_dir
+    if hf_dir is not None:
+        found = any(os.path.isfile(os.path.join(hf_dir, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+        return hf_dir if found else None
+    path = config.model.init_from
+    if path is None or is_uri(path) or not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
+        return None
+    from ray_jax_train.lm.export import MODEL_FILES
+
+    run_dir = os.path.dirname(os.path.abspath(path).rstrip(os.sep))
+    for name in (MODEL_FILES, TOKENIZER_DIR):
+        if os.path.isfile(os.path.join(run_dir, name, "tokenizer.json")):
+            return os.path.join(run_dir, name)
     return None
 
 
@@ -1049,6 +1066,7 @@ def trial_lengths(base_steps: Optional[int], param_space: Dict[str, Any]) -> Tup
 
 
 TOKENIZER_REQUEST = "ray_jax_train_request.json"  # beside a trained tokenizer: the settings it was trained for
+TOKENIZER_DIR = "tokenizer"  # in the run directory: the tokenizer trained for the run
 
 
 def _tokenizer_request(config: ExperimentConfig) -> Dict[str, Any]:
@@ -1097,9 +1115,9 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
-    hf_dir = hf_tokenizer_dir(config)
-    if hf_dir is not None:
-        return ensure_pad_token(load_tokenizer(hf_dir))  # the weights' own ids: a tokenizer trained now has others
+    init_dir = init_tokenizer_dir(config)
+    if init_dir is not None:
+        return ensure_pad_token(load_tokenizer(init_dir))  # the weights' own ids: a tokenizer trained now has others
     if reuse and exists(join(directory, "tokenizer.json")):
         recorded = _recorded_request(directory) or {}
         wanted = config.tokenizer.vocab_size
@@ -1193,7 +1211,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     if tokenizer_path is not None:
         config = config.model_copy(update={"tokenizer": TokenizerSection(path=tokenizer_path)})
     args = config.training_arguments(run_name=name)
-    tokenizer = ensure_tokenizer(config, join(run_dir, "tokenizer"), reuse=args.resume_if_possible)
+    tokenizer = ensure_tokenizer(config, join(run_dir, TOKENIZER_DIR), reuse=args.resume_if_possible)
     model_config = config.llama_config(tokenizer, warn=True)
     if args.mesh is None:
         args.mesh = {"dp": -1}

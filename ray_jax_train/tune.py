@@ -25,10 +25,10 @@ import os
 import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
-from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, ConfigError, ExperimentConfig, TuneSection,
-                                      apply_overrides, build_trainer, check_cluster_fits, ensure_tokenizer,
-                                      hf_tokenizer_dir, parse_config, read_file, trained_tokenizer_dir,
-                                      trial_lengths)
+from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, ConfigError, ExperimentConfig,
+                                      TuneSection, apply_overrides, build_trainer, check_cluster_fits,
+                                      ensure_tokenizer, init_tokenizer_dir, parse_config, read_file,
+                                      trained_tokenizer_dir, trial_lengths)
 from ray_jax_train.quiet import filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
@@ -303,9 +303,9 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         # Not an error: a job that may be retried runs the same command, --resume included, every time.
         logger.warning("No earlier search in %s to resume: starting it.", experiment_dir)
     earlier_search = not resuming and tune.Tuner.can_restore(experiment_dir)
-    tokenizer_path = (base.tokenizer.path or hf_tokenizer_dir(base)
-                      or trained_tokenizer_dir(base, join(experiment_dir, "tokenizer")))
-    if base.tokenizer.path is None and tokenizer_path != hf_tokenizer_dir(base):
+    tokenizer_path = (base.tokenizer.path or init_tokenizer_dir(base)
+                      or trained_tokenizer_dir(base, join(experiment_dir, TOKENIZER_DIR)))
+    if base.tokenizer.path is None and tokenizer_path != init_tokenizer_dir(base):
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
         # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.
         ensure_tokenizer(base, tokenizer_path, reuse=True)

@@ -211,15 +211,26 @@ def test_init_from_a_run_directory_exits_2_naming_its_checkpoint(tmp_path, capsy
     assert code == 2, err
     assert "model.init_from" in err and "neither a Hugging Face model directory" in err, err
     assert "the latest is " + str(run_dir / "checkpoint_000000020_0a1b2c3d") in err, err
-    # One of its checkpoints is accepted.
+    # One of its checkpoints is accepted once the tokenizer its run used is known: one trained now (the config's
+    # tokenizer.path is null) would give the same ids other meanings, at the same size (a review: it trained so).
+    code, _, err = run(["config", "validate", TINY, "--set",
+                        f"model.init_from={run_dir / 'checkpoint_000000020_0a1b2c3d'}"], capsys)
+    assert code == 2 and "kept no tokenizer beside it" in err and "Set tokenizer.path" in err, err
+    from ray_jax_train.run_config import init_tokenizer_dir, load_config
+    from ray_jax_train.text import train_tokenizer
+
+    trained = train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(run_dir / "tokenizer"))
     code, _, err = run(["config", "validate", TINY, "--set",
                         f"model.init_from={run_dir / 'checkpoint_000000020_0a1b2c3d'}"], capsys)
     assert code == 0, err
+    starting = load_config(TINY, [f"model.init_from={run_dir / 'checkpoint_000000020_0a1b2c3d'}"])
+    assert init_tokenizer_dir(starting) == str(run_dir / "tokenizer")
+    trained.save_pretrained(str(run_dir / "model"))  # what a run with save_steps keeps: preferred
+    assert init_tokenizer_dir(starting) == str(run_dir / "model")
     # One that records its model (as this package's checkpoints do) meets the model section on the driver: a norm
     # that differs would load without a shape error and compute other logits.
     from ray_jax_train.checkpoint.core import META_FILE
     from ray_jax_train.lm.export import HF_CONFIG_KEY
-    from ray_jax_train.run_config import load_config
 
     checkpoint = run_dir / "checkpoint_000000020_0a1b2c3d"
     # Its vocabulary (311: a tokenizer trained to 400 may come out shorter) is the tokenizer's, known only once the
@@ -639,7 +650,7 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     with pytest.raises(ConfigError, match=r"model.init_from: .* has model weights but no tokenizer.*tokenizer.path"):
         parse_config({**tiny, "model": {"init_from": str(hf_dir)}})
     from ray_jax_train.text import train_tokenizer
-    from ray_jax_train.run_config import hf_tokenizer_dir as _hf_tokenizer_dir
+    from ray_jax_train.run_config import init_tokenizer_dir
 
     train_tokenizer(["some text to learn from"] * 20, vocab_size=300, save_dir=str(hf_dir))
     # A type contradicting config.json, and an architecture there is no model for: config errors, exit 2 (the second
@@ -674,7 +685,7 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
     assert kept.llama_config().param_dtype == "bfloat16"
     # A search from a directory with its own tokenizer gives the trials that tokenizer (they looked for one in the
     # search's directory, which nothing wrote: every trial failed).
-    assert _hf_tokenizer_dir(config) == str(hf_dir)
+    assert init_tokenizer_dir(config) == str(hf_dir)
     trial = parse_config({**tiny, "model": {"init_from": str(hf_dir)}, "tokenizer": {"path": str(hf_dir)}})
     assert trial.llama_config().hidden_size == 64
 
