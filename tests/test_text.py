@@ -243,6 +243,26 @@ def test_rows_mixing_text_and_chat_keep_their_text_rows(tokenizer):
     assert out["loss_mask"].sum() == chat_masks[0][1:].sum() + sum(len(d) - 1 for d in text_docs)
 
 
+def test_rows_holding_both_a_conversation_and_text_say_which_is_trained(tokenizer, caplog):
+    """A row with both trains on its conversation; it did so without a word, even with text_column set (a review).
+    The driver now says so and names messages_column=None, which trains on the text."""
+    import pyarrow as pa
+
+    from ray_jax_train.text.pipeline import _check_first_document
+
+    row = {"messages": CHAT, "text": "hello world"}
+    with caplog.at_level("WARNING", logger="ray_jax_train.text.pipeline"):
+        _check_first_document(None, row, tokenizer, ("messages", "messages"), text_column="text",
+                              messages_column="messages")
+    assert "the conversation is trained on and the text is not" in caplog.text
+    assert "training.messages_column: null" in caplog.text
+    out = TokenizeAndPack(tokenizer, 256, messages_column=None)(pa.table({k: [v] for k, v in row.items()}))
+    assert out["input_ids"][0][out["segment_ids"][0] == 1].tolist() == encode_texts(tokenizer, ["hello world"])[0].tolist()
+    from ray_jax_train.lm import TrainingArguments
+
+    assert TrainingArguments(messages_column=None).messages_column is None
+
+
 # ---------------------------------------------------------------- corpus and single-sample helpers
 
 

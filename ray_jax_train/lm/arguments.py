@@ -99,7 +99,7 @@ class TrainingArguments(BaseModel):
 
     # Data columns (raw text or chat) for the driver-side tokenisation
     text_column: str = "text"
-    messages_column: str = "messages"
+    messages_column: Optional[str] = "messages"  # None: no conversations, rows that hold both train on their text
 
     @field_validator("learning_rate")
     @classmethod

@@ -212,6 +212,14 @@ def _check_first_document(dataset, first_row: Mapping[str, Any], tokenizer, reso
                 "{'role': ..., 'content': ...}). If it holds text, name it with training.text_column in the config "
                 "(text_column=... in Python).")
         check_roles(tokenizer, [conversation])
+        text_column = names.get("text_column", "text")
+        if _filled(row.get(text_column)):
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "Rows hold both a conversation (%r) and text (%r): the conversation is trained on and the text is "
+                "not. To train on the text, set training.messages_column: null (messages_column=None in Python).",
+                column, text_column)
 
 
 _SAMPLED_CONVERSATIONS = 64

@@ -321,11 +321,13 @@ def extract_column_names(dataset: Any) -> list[str] | None:
     raise TypeError(f"cannot read column names from a {type(dataset).__name__}")
 
 
-def resolve_column(columns: Sequence[str] | None, text_column: str, messages_column: str) -> tuple[str, str] | None:
-    """Pick ("messages"|"text", column name); messages win when both exist. None if columns unknown."""
+def resolve_column(columns: Sequence[str] | None, text_column: str,
+                   messages_column: str | None) -> tuple[str, str] | None:
+    """Pick ("messages"|"text", column name); messages win when both exist (`messages_column=None` reads text
+    only). None if columns unknown."""
     if columns is None:
         return None
-    if messages_column in columns:
+    if messages_column is not None and messages_column in columns:
         return "messages", messages_column
     if text_column in columns:
         return "text", text_column
