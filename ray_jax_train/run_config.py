@@ -724,24 +724,19 @@ def _check_search_space(key: str, spec: Any) -> None:
                 raise ValueError(f"tune.param_space.{key}.quniform: q {args[2]} must be > 0")
 
 
-# Names other trainers use for our settings, which difflib cannot match ("lr" is 2 letters of "learning_rate").
-_KEY_ALIASES = {"lr": "learning_rate", "bs": "batch_size", "steps": "total_steps", "max_steps": "total_steps",
-                "num_train_epochs": "num_epochs", "epochs": "num_epochs", "wd": "weight_decay",
-                "warmup": "warmup_steps", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-                "per_device_train_batch_size": "batch_size", "lr_scheduler_type": "scheduler"}
-
-
 def _unknown_key(path: str, key: str, fields, exclude=()) -> str:
-    valid = [k for k in fields if k not in exclude]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if not close and _KEY_ALIASES.get(key) in valid:
-        close = [_KEY_ALIASES[key]]
-    if not close and "." not in path:  # a section's setting given without its section
-        from ray_jax_train.lm.arguments import TrainingArguments
+    from ray_jax_train.lm.arguments import KEY_ALIASES, TrainingArguments
 
-        named = _KEY_ALIASES.get(key, key)
-        sections = {"training": TrainingArguments.model_fields, "model": ModelSection.model_fields}
-        close = [f"{section}.{named}" for section, names in sections.items() if named in names][:1]
+    valid = [k for k in fields if k not in exclude]
+    named = KEY_ALIASES.get(key, key)
+    here = path.split(".", 1)[0] if "." in path else None
+    sections = {"training": TrainingArguments.model_fields, "model": ModelSection.model_fields}
+    elsewhere = [f"{section}.{named}" for section, names in sections.items() if section != here and named in names]
+    if named in valid:
+        close = [named]
+    else:  # a near-exact spelling here, else the same setting in another section, else a looser spelling here
+        close = (difflib.get_close_matches(key, valid, n=1, cutoff=0.85) or elsewhere[:1]
+                 or difflib.get_close_matches(key, valid, n=1, cutoff=0.6))
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"{path}: unknown key. {hint}Valid keys here: {', '.join(valid)}"
 

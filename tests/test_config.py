@@ -1,5 +1,6 @@
 """LlamaConfig validation / HF conversion and EasyDeL-style scaled configs."""
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -278,3 +279,22 @@ def test_gpu_extras_pin_the_same_jax_as_the_core_dependency():
     pin = core[len("jax"):]
     for extra in ("cuda12", "cuda13"):
         assert project["optional-dependencies"][extra] == [f"jax[{extra}]{pin}"]
+
+
+def test_a_name_from_another_trainer_is_pointed_at_ours_before_a_look_alike():
+    """difflib's closest match was a valid key that does something else: max_steps -> max_eval_steps (the run then
+    trained the config's total_steps), per_device_train_batch_size -> eval_batch_size, vocab_size under training
+    -> eval_batch_size (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny_llama.yaml")
+    import yaml
+
+    base = yaml.safe_load(open(tiny))
+    cases = {"training.max_steps=5": "'total_steps'", "training.per_device_train_batch_size=4": "'batch_size'",
+             "training.block_size=32": "'max_sequence_length'", "training.vocab_size=300": "'model.vocab_size'",
+             "model.max_seq_len=32": "'training.max_sequence_length'", "model.heads=2": "'num_attention_heads'",
+             "training.max_eval_step=2": "'max_eval_steps'", "max_steps=3": "'training.total_steps'"}
+    for flag, meant in cases.items():
+        with pytest.raises(ConfigError, match=f"did you mean {meant}"):
+            parse_config(apply_overrides(base, [flag]))

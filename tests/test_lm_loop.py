@@ -139,8 +139,10 @@ def test_training_arguments_reject_bad_values():
         TrainingArguments(mesh={"tp": -1})
     with pytest.raises(ValueError, match="scheduler"):
         TrainingArguments(scheduler="exponential")
-    with pytest.raises(ValueError, match="Extra inputs"):
+    with pytest.raises(ValueError, match="unknown argument 'learning_rte'; did you mean 'learning_rate'"):
         TrainingArguments(learning_rte=1e-3)
+    with pytest.raises(ValueError, match="unknown argument 'max_steps'; did you mean 'total_steps'"):
+        TrainingArguments(max_steps=10)  # difflib's pick was max_eval_steps: valid, and another setting
     with pytest.raises(ValueError, match="does not split over the 4 batch shards"):
         TrainingArguments(batch_size=6, mesh={"dp": -1}).check_devices(4)
     # The fix offered takes both splits: into micro-batches, and each over the batch shards.

@@ -9,7 +9,8 @@ import difflib
 import math
 from typing import Dict, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ray_jax_train.config import canonical_dtype, refuse_bool_numbers
 
@@ -17,6 +18,30 @@ from ray_jax_train.config import canonical_dtype, refuse_bool_numbers
 _FLOAT32_MAX, _FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 
 SCHEDULERS = ("cosine", "linear", "constant")
+
+
+# Names other trainers use for our settings. Looked up before spelling matches: difflib took "max_steps" for
+# max_eval_steps and "per_device_train_batch_size" for eval_batch_size, valid keys that then did something else.
+KEY_ALIASES = {"lr": "learning_rate", "bs": "batch_size", "steps": "total_steps", "max_steps": "total_steps",
+              "num_steps": "total_steps", "train_steps": "total_steps", "num_train_steps": "total_steps",
+              "num_train_epochs": "num_epochs", "epochs": "num_epochs", "wd": "weight_decay",
+              "warmup": "warmup_steps", "layers": "num_hidden_layers", "n_layers": "num_hidden_layers",
+              "num_layers": "num_hidden_layers", "heads": "num_attention_heads", "n_heads": "num_attention_heads",
+              "num_heads": "num_attention_heads", "per_device_train_batch_size": "batch_size",
+              "train_batch_size": "batch_size", "global_batch_size": "batch_size", "lr_scheduler_type": "scheduler",
+              "block_size": "max_sequence_length", "seq_len": "max_sequence_length",
+              "max_seq_len": "max_sequence_length", "max_seq_length": "max_sequence_length",
+              "seq_length": "max_sequence_length", "context_length": "max_sequence_length",
+              "max_length": "max_sequence_length", "d_model": "hidden_size", "n_embd": "hidden_size"}
+
+
+def _with_hint(error: dict, fields) -> dict:
+    """An "Extra inputs" error of pydantic's, with the argument probably meant (its type stays extra_forbidden)."""
+    name = str(error["loc"][-1])
+    close = ([KEY_ALIASES[name]] if KEY_ALIASES.get(name) in fields
+             else difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6))
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return {**error, "type": PydanticCustomError("extra_forbidden", f"unknown argument {name!r}{hint}")}
 
 
 class TrainingArguments(BaseModel):
@@ -35,6 +60,16 @@ class TrainingArguments(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
     _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
+
+    def __init__(self, **arguments):
+        try:
+            super().__init__(**arguments)
+        except ValidationError as exc:  # pydantic names an unknown argument with "Extra inputs are not permitted"
+            errors = exc.errors()
+            if not all(e["type"] == "extra_forbidden" for e in errors):  # other types cannot all be rebuilt
+                raise
+            raise ValidationError.from_exception_data(exc.title, [_with_hint(e, type(self).model_fields)
+                                                                  for e in errors]) from None
 
     # Length
     total_steps: Optional[int] = Field(None, ge=1)
