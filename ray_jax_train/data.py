@@ -13,7 +13,7 @@ import numbers
 import queue
 import threading
 import weakref
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -221,7 +221,8 @@ def iter_jax_batches(
         host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreement, sync_window)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
-    host_batches = _skipped(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size), skip_batches)
+    host_batches = _skipped(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size, agreement),
+                            skip_batches)
 
     global_shape_of = lambda array: (batch_size,) + array.shape[1:]  # noqa: E731
 
@@ -272,21 +273,33 @@ class NoFullBatchError(ValueError):
     retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
 
 
-def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int):
+def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int,
+                           agreement: Optional["_Agreement"] = None):
     """Pass `batches` on; if there were none although rows were read, raise, saying why: a loop over them just
-    ended, and fit() reported success for a run that trained nothing."""
+    ended, and fit() reported success for a run that trained nothing. Every process raises, naming the ones whose
+    shard was short: a process with rows enough blamed its own 40 rows and advised what did not help."""
     given = 0
     for batch in batches:
         given += 1
         yield batch
-    if not given and read.rows:
-        import jax
+    counts = agreement.first_counts if agreement is not None else None
+    if given or not (read.rows or (counts and max(counts) > 0)):
+        return
+    import jax
 
+    short = [p for p, n in enumerate(counts or []) if n == 0]
+    if counts and len(short) < len(counts):
         raise NoFullBatchError(
-            f"iter_jax_batches gave no batch although this process read {read.rows} rows: a batch "
-            f"(batch_size={batch_size}) takes {local_rows} rows from each of the {jax.process_count()} processes, "
-            "and remainder='drop' drops a tail too short for that. Use a smaller batch_size, more data, or "
-            "remainder='pad'.")
+            f"iter_jax_batches gave no batch: a batch (batch_size={batch_size}) takes {local_rows} rows from each of "
+            f"the {jax.process_count()} processes, and process(es) {short} had fewer than that (this one, "
+            f"process {jax.process_index()}, read {read.rows}); remainder='drop' yields only batches every process "
+            "fills. Give each worker rows enough (more data, or a split that shares them out), a smaller "
+            "batch_size, or remainder='pad' where every worker has at least one row.")
+    raise NoFullBatchError(
+        f"iter_jax_batches gave no batch although this process read {read.rows} rows: a batch "
+        f"(batch_size={batch_size}) takes {local_rows} rows from each of the {jax.process_count()} processes, "
+        "and remainder='drop' drops a tail too short for that. Use a smaller batch_size, more data, or "
+        "remainder='pad'.")
 
 
 def _split_rows(batches, rows: int):
@@ -438,6 +451,7 @@ class _Agreement:
         self._size = jax.process_count()
         self._timeout_ms = int(timeout_s * 1000)
         self._round = 0
+        self.first_counts: Optional[List[int]] = None  # each process's full batches in the first window
 
     def compare_opened(self, warn_after_s: float = 60.0) -> None:
         """At the opening, before any read: every process must have opened the same iterator at this point. Called
@@ -514,7 +528,10 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
             full = 0
             while full < len(chunk) and _rows(chunk[full]) == rows:
                 full += 1
-            agreed = min(agreement.gather(full))
+            counts = agreement.gather(full)
+            if agreement.first_counts is None:
+                agreement.first_counts = list(counts)
+            agreed = min(counts)
             yield from chunk[:agreed]
         else:
             agreed = max(agreement.gather(len(chunk)))

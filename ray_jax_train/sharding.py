@@ -298,12 +298,13 @@ def _is_nnx_object(value) -> bool:
 
 
 def bytes_per_device(tree) -> Dict[Any, int]:
-    """Bytes each addressable device holds for the arrays of `tree` (what FSDP is meant to cut)."""
+    """Bytes each addressable device holds for the arrays of `tree` (what FSDP is meant to cut). Host values
+    (numpy arrays, Python numbers, as a restore may give for process-local leaves) are on no device."""
     import jax
 
     out: Dict[Any, int] = {}
     for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
+        for shard in getattr(leaf, "addressable_shards", ()):
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
 

@@ -341,6 +341,11 @@ def _opened_out_of_step(config):
     logging.getLogger("ray_jax_train.data").addHandler(handler)
     resolve_dataset(ray.data.range(4))  # every worker reads all of it: each row fed twice, silently
     seen["whole_dataset"] = warned
+    try:  # one process short of a batch: the other blamed its own 40 rows and advised what did not help (a review)
+        list(rjt.iter_jax_batches(ray.data.range(40 if rank == 0 else 3), batch_size=8, mesh=rjt.get_mesh()))
+        seen["short_shard"] = "no error"
+    except rjt.NoFullBatchError as exc:
+        seen["short_shard"] = str(exc)
     if rank == 0:  # an eval on rank 0 only, as with torch: waited for sync_timeout_s (30 minutes) while rank 1 reported
         started = time.monotonic()
         try:
@@ -375,6 +380,8 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
         assert [w for w in seen["whole_dataset"] if "each row is fed 2 times" in w], seen
+        assert "process(es) [1] had fewer than that" in seen["short_shard"], seen
+        assert f"this one, process {rank}, read " in seen["short_shard"], seen
     seen = json.loads((out / "rank0.json").read_text())
     assert "process 1 will never open its matching iterator: it waits in ray.train.report" in seen["rank0_eval"], seen
     assert seen["rank0_eval_s"] < 30, seen

@@ -451,3 +451,11 @@ def test_a_cpu_devices_peak_is_its_share_of_the_process(monkeypatch):
     monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device=None, **kw: 100e9)
     assert len(jax.local_devices()) == 4
     assert metrics.peak_flops_per_device() == 25e9
+
+
+def test_bytes_per_device_counts_device_arrays_and_skips_host_values():
+    """A restore gives numpy for process-local leaves; bytes_per_device(restored.state) raised AttributeError."""
+    import jax.numpy as jnp
+
+    counted = S.bytes_per_device({"a": jnp.ones(3, jnp.float32), "host": np.zeros(5), "n": 3})
+    assert counted == {jax.devices()[0]: 12}
