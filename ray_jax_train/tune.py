@@ -244,6 +244,26 @@ def _scheduler(tune_cfg: TuneSection, total_steps: int):
                          reduction_factor=s.reduction_factor)
 
 
+def _check_searched_vocab_sizes(base: ExperimentConfig, tokenizer_path: str) -> None:
+    """Searched `model.vocab_size` values against the tokenizer, known now (trained or loaded on the driver): a value
+    below it failed in its trial only, and the search still ended with exit 0."""
+    spec = base.tune.param_space.get("model.vocab_size")
+    if spec is None:
+        return
+    from ray_jax_train.lm.data import check_tokenizer_fits
+    from ray_jax_train.run_config import search_candidates
+    from ray_jax_train.text import ensure_pad_token, load_tokenizer
+
+    tokenizer = ensure_pad_token(load_tokenizer(tokenizer_path))
+    for value in search_candidates(spec):
+        if value is None:
+            continue
+        try:
+            check_tokenizer_fits(tokenizer, int(value))
+        except ValueError as exc:
+            raise ConfigError(f"tune.param_space.model.vocab_size: trials given {value!r} would fail: {exc}") from None
+
+
 def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequence[str] = (),
         param_space: Optional[Dict[str, Any]] = None, num_samples: Optional[int] = None,
         quiet: bool = True, resume: bool = False, resume_errored: bool = False) -> TuneOutcome:
@@ -309,6 +329,7 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         # Reused when the search runs again under its name: its earlier trials' checkpoints (and best.json) were
         # trained with these ids, and a tokenizer trained again on changed data has other ids at the same size.
         ensure_tokenizer(base, tokenizer_path, reuse=True)
+    _check_searched_vocab_sizes(base, tokenizer_path)
     base_data = base.model_dump(mode="json")
     base_data["tokenizer"] = {"path": tokenizer_path, "vocab_size": base.tokenizer.vocab_size}
     base_data["tune"] = None

@@ -445,3 +445,23 @@ def test_a_users_own_tune_search_gives_its_trials_one_compilation_cache(ray_clus
                        run_config=tune.RunConfig(name="search", storage_path=str(tmp_path / "tune")))
     assert not tuner.fit().errors
     assert out.read_text() == str(tmp_path / "tune" / "search" / "compilation_cache")
+
+
+def test_a_searched_vocab_size_below_the_tokenizer_is_refused_before_trials(tmp_path):
+    """Known once the driver has the tokenizer (before any trial): a grid value below it failed in its trial only,
+    and the search ended with exit 0."""
+    import yaml
+
+    from ray_jax_train.run_config import ConfigError, parse_config
+    from ray_jax_train.text import train_tokenizer
+    from ray_jax_train.tune import _check_searched_vocab_sizes
+
+    tokenizer = train_tokenizer(["a few words to learn from, again and again"] * 30, vocab_size=300,
+                                save_dir=str(tmp_path / "tok"))
+    tiny = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    base = parse_config({**tiny, "tune": {"param_space": {"model.vocab_size": {"grid_search": [512, 100]}}}})
+    with pytest.raises(ConfigError, match=r"tune.param_space.model.vocab_size: trials given 100 would fail: The "
+                                          rf"tokenizer gives ids up to {len(tokenizer) - 1}"):
+        _check_searched_vocab_sizes(base, str(tmp_path / "tok"))
+    _check_searched_vocab_sizes(parse_config({**tiny, "tune": {"param_space": {"model.vocab_size": {
+        "grid_search": [512, 1024]}}}}), str(tmp_path / "tok"))
