@@ -265,6 +265,25 @@ def _check_storage_not_in_job_copy(path: str) -> None:
         "that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
 
 
+def _check_storage_usable(path: str) -> None:
+    """A local run.storage_path is made now, on the driver, before Ray starts: a file there, or a directory this user
+    may not create, failed seconds later inside Ray naming neither the key nor the fix."""
+    from ray_jax_train.run_config import ConfigError
+    from ray_jax_train.storage import is_uri
+
+    if is_uri(path):
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"run.storage_path: {path} is a file; runs are directories under it. Set run.storage_path "
+                          "to a directory (made if missing), or a gs:// / s3:// URI.")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run.storage_path: {path} cannot be made here ({exc.strerror or exc}). Set "
+                          "run.storage_path to a directory this user may create and write, or a gs:// / s3:// URI."
+                          ) from None
+
+
 RUN_CONFIG = "config.yaml"
 
 
@@ -289,6 +308,7 @@ def cmd_fit(args) -> int:
 
     config = load_config(args.config, args.overrides)
     check_data_columns(config)  # before Ray starts
+    _check_storage_usable(config.with_absolute_paths().run.storage_path)
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
@@ -469,6 +489,7 @@ def cmd_tune(args) -> int:
     resume = args.resume or args.resume_errored
     if resume:
         tune.can_resume(config, warn=False)  # a changed config is refused before Ray starts; tune.run warns
+    _check_storage_usable(config.with_absolute_paths().run.storage_path)
     _connect(config, args.address, args.verbose)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
     started = time.time()

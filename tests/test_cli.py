@@ -708,7 +708,7 @@ def test_set_reaches_a_dotted_search_key():
     assert config.tune.param_space["training.learning_rate"] == {"choice": [0.001, 0.003]}
 
 
-def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back(ray_cluster, tmp_path, capsys):
+def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back(tmp_path, capsys):
     import shlex
     from types import SimpleNamespace
 
@@ -716,9 +716,13 @@ def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the storage directory should go")
-    # Before: the tokenizer's save raised NotADirectoryError/PermissionError as a traceback, exit 1, after Ray was up.
-    code, _, err = run(["fit", TINY, "--set", f"run.storage_path={blocked}"], capsys)
-    assert code == 2 and "run.storage_path" in err, err
+    # Before: the tokenizer's save raised NotADirectoryError/PermissionError as a traceback, exit 1, after Ray was up;
+    # then "[Errno 2] No such file or directory" seconds in, naming no key. Now said before Ray starts.
+    for command, config in (("fit", TINY), ("tune", os.path.join(REPO, "examples", "tune_tiny_llama.yaml"))):
+        code, _, err = run([command, config, "--set", f"run.storage_path={blocked}"], capsys)
+        assert code == 2 and f"run.storage_path: {blocked} is a file" in err, err
+    code, _, err = run(["fit", TINY, "--set", f"run.storage_path={blocked / 'runs'}"], capsys)
+    assert code == 2 and "cannot be made here (Not a directory)" in err, err
     hint = _resume_hint(SimpleNamespace(config="my config.yaml", overrides=["scaling.mesh={dp: 2}"]), "exp 2")
     assert shlex.split(hint)[2:] == ["my config.yaml", "--set", "scaling.mesh={dp: 2}", "--set", "run.name=exp 2"]
 
