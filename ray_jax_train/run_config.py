@@ -175,6 +175,19 @@ class RunSection(_Section):
     tensorboard: bool = False
     address: Optional[str] = None
 
+    @field_validator("name")
+    @classmethod
+    def _one_directory(cls, value: Optional[str]) -> Optional[str]:
+        return _directory_name(value)
+
+
+def _directory_name(value: Optional[str]) -> Optional[str]:
+    """A run or search name is one directory under the storage path: "../x" wrote outside it."""
+    if value is not None and (value in ("", ".", "..") or "/" in value or "\\" in value):
+        raise ValueError(f"{value!r} must name one directory under the storage path (no '/', not '.' or '..'); "
+                         f"put the parent in run.storage_path")
+    return value
+
 
 class SchedulerSection(_Section):
     """Early stopping for Tune trials; `grace_period` and `max_t` are optimizer steps. ASHA's `max_t` is set to one
@@ -199,6 +212,7 @@ class TuneSection(_Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     trial_cpus: float = Field(0.1, gt=0)  # the trial function only waits on its Train run
     name: Optional[str] = None
+    _one_directory = field_validator("name")(lambda cls, value: _directory_name(value))
 
 
 SEARCH_SPACES = ("choice", "grid_search", "uniform", "loguniform", "randint", "quniform")
@@ -287,9 +301,8 @@ class ExperimentConfig(_Section):
                     raise ConfigError(f"data.{which}: {path!r}: {what} (relative paths are read from "
                                      f"{os.getcwd()}); use 'stdlib' for the built-in offline corpus")
 
-        if self.tokenizer.path is not None and not is_uri(self.tokenizer.path) and not os.path.isdir(self.tokenizer.path):
-            raise ConfigError(f"tokenizer.path: directory {self.tokenizer.path!r} does not exist; set it to a local "
-                             "tokenizer directory, or null to train one at run time")
+        if self.tokenizer.path is not None and not is_uri(self.tokenizer.path):
+            self._check_tokenizer_dir(self.tokenizer.path)
         if self.model.init_from is not None and "://" not in self.model.init_from:
             from ray_jax_train.lm.state import weights_dir_kind
 
@@ -336,6 +349,20 @@ class ExperimentConfig(_Section):
                 f"({longest}): the {s.type} scheduler only stops trials after grace_period steps, so it would stop "
                 f"none and every trial would run to its end. Set grace_period below {longest} (e.g. "
                 f"{max(1, longest // 10)}), or scheduler.type: fifo to run every trial out on purpose")
+
+    @staticmethod
+    def _check_tokenizer_dir(path: str) -> None:
+        """A local tokenizer.path must hold a saved tokenizer: transformers' own error for a directory without one
+        named no key and advised installing sentencepiece."""
+        fix = ("set it to a directory saved with tokenizer.save_pretrained(dir) (tokenizer.json or "
+               "tokenizer_config.json), or null to train one at run time")
+        if os.path.isfile(path):
+            raise ConfigError(f"tokenizer.path: {path!r} is a file, not a tokenizer directory; {fix}")
+        if not os.path.isdir(path):
+            raise ConfigError(f"tokenizer.path: directory {path!r} does not exist; {fix}")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in
+                   ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+            raise ConfigError(f"tokenizer.path: {path!r} holds no tokenizer; {fix}")
 
     def _check_trial_values(self, max_combinations: int = 256) -> None:
         """Every listed value and range end of the search must make a valid config with some choice of the other

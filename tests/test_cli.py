@@ -891,3 +891,17 @@ def test_a_bad_row_found_while_ray_data_tokenises_is_named_not_ray_s_retry_advic
     cut = ray.exceptions.RayTaskError("read", "Traceback\npyarrow.lib.ArrowInvalid: JSON parse error: Unmatched '\"' "
                                       "when decoding 'string' at position 5280", ValueError("x")).as_instanceof_cause()
     assert "JSON parse error: Unmatched" in read_error(cut) and "JSON lines (.jsonl" in read_error(cut)
+
+
+def test_paths_that_are_files_or_hold_no_tokenizer_exit_2_saying_so(tmp_path, capsys):
+    """A file was "does not exist"; a directory without a tokenizer failed in transformers, which named no key and
+    advised installing sentencepiece (a review)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [("tokenizer.path", tmp_path / "file", "is a file, not a tokenizer directory"),
+             ("tokenizer.path", tmp_path / "empty", "holds no tokenizer; set it to a directory saved with"),
+             ("model.init_from", tmp_path / "file", "is a file, not a directory")]
+    cases.append(("run.name", "../escaped", "must name one directory under the storage path"))  # wrote outside it
+    for key, path, said in cases:
+        code, _, err = run(["config", "validate", TINY, "--set", f"{key}={path}"], capsys)
+        assert code == 2 and key in err and said in err, err

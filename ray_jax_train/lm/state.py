@@ -398,9 +398,11 @@ def weights_dir_kind(path: str) -> str:
     from ray_jax_train.storage import filesystem, is_uri, join
 
     fs, fs_path = filesystem(path)
-    if fs.get_file_info(fs_path).type != pafs.FileType.Directory:
-        raise FileNotFoundError(f"{path} does not exist: give a Hugging Face model directory or a checkpoint "
-                                "directory (<run>/checkpoint_...) to start from.")
+    kind = fs.get_file_info(fs_path).type
+    if kind != pafs.FileType.Directory:
+        what = "is a file, not a directory" if kind == pafs.FileType.File else "does not exist"
+        raise FileNotFoundError(f"{path} {what}: give a Hugging Face model directory or a checkpoint directory "
+                                "(<run>/checkpoint_...) to start from.")
     names = {os.path.basename(info.path.rstrip("/")): info.type
              for info in fs.get_file_info(pafs.FileSelector(fs_path))}
     if "config.json" in names and any(name.endswith(".safetensors") for name in names):
