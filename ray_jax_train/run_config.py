@@ -842,11 +842,17 @@ def check_data_columns(config: ExperimentConfig) -> None:
     `fit` / `tune` say it before Ray starts. Data this cannot read cheaply (URIs, .json arrays) is checked when read."""
     from ray_jax_train.text import check_chat_template, load_tokenizer
     from ray_jax_train.text.errors import TextDataError
-    from ray_jax_train.text.sources import peek_columns_each, resolve_column
+    from ray_jax_train.text.sources import peek_columns_each, plan_reads, resolve_column
 
     text_column = config.training.get("text_column", "text")
     messages_column = config.training.get("messages_column", "messages")
     for which in ("source", "eval_source"):
+        paths = config.data.paths(which)
+        if paths and not any(is_uri(p) for p in paths):
+            try:  # empty files, a directory of no data format: a listing, no read
+                plan_reads(paths)
+            except (TextDataError, OSError) as exc:
+                raise ConfigError(f"data.{which}: {exc}") from None
         peeked = peek_columns_each(config.data.paths(which))
         if not peeked:
             continue

@@ -905,3 +905,16 @@ def test_paths_that_are_files_or_hold_no_tokenizer_exit_2_saying_so(tmp_path, ca
     for key, path, said in cases:
         code, _, err = run(["config", "validate", TINY, "--set", f"{key}={path}"], capsys)
         assert code == 2 and key in err and said in err, err
+
+
+def test_data_files_that_hold_nothing_to_read_exit_2_before_ray(tmp_path, capsys):
+    """Empty files, an empty directory, a directory of no data format: `config validate` said valid, and `fit` said
+    so 10-30 s later, once Ray was up (a review). A listing tells."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("# notes")
+    cases = {"empty.jsonl": "every file in", "nothing": "no files found under", "notes": "cannot tell the file format"}
+    for name, said in cases.items():
+        code, _, err = run(["config", "validate", TINY, "--set", f"data.source={tmp_path / name}"], capsys)
+        assert code == 2 and f"data.source: {said}" in err, err

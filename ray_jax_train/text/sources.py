@@ -54,7 +54,9 @@ def _files_under(path: str) -> list[tuple[str, int]]:
                   if f.type == pafs.FileType.File and f.path.startswith(root) and not _hidden(f.base_name))
 
 
-def _read_paths(paths: Sequence[str], format: str | None):
+def plan_reads(paths: Sequence[str], format: str | None = None) -> list[tuple[str, list[tuple[str, int]]]]:
+    """[(format, [(file, size)])] for the files under `paths`, in order, one entry per run of one format; raises
+    what is wrong with them before any read (the driver checks a config's local paths so, before Ray starts)."""
     listed = [(p, _files_under(p)) for p in paths]
     found = [f for _, under in listed for f in under]
     if not found:
@@ -62,7 +64,7 @@ def _read_paths(paths: Sequence[str], format: str | None):
     if all(size == 0 for _, size in found):
         raise EmptyDatasetError(f"every file in {list(paths)} is empty")
     if format is not None:
-        return _read_files(found, format)
+        return [(format, found)]
     # Each path is of one format, so a stray notes.txt beside the .jsonl files of a directory is refused rather
     # than trained on; paths of different formats (a .jsonl file and a Parquet directory) are read each with its
     # own reader and joined in the order given.
@@ -86,7 +88,14 @@ def _read_paths(paths: Sequence[str], format: str | None):
             groups[-1][1].extend(files)
         else:
             groups.append((kind, files))
-    parts = [_read_files(files, kind) for kind, files in groups if any(size for _, size in files)]
+    groups = [(kind, files) for kind, files in groups if any(size for _, size in files)]
+    if not groups:
+        raise EmptyDatasetError(f"every data file in {list(paths)} is empty")
+    return groups
+
+
+def _read_paths(paths: Sequence[str], format: str | None):
+    parts = [_read_files(files, kind) for kind, files in plan_reads(paths, format)]
     if len(parts) == 1:
         return parts[0]
     # JSON reads give pandas blocks, Parquet reads Arrow ones, and a batch spanning both fails inside Ray Data:
