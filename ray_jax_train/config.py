@@ -229,7 +229,9 @@ class LlamaConfig(_Base):
                 f"model_type={self.model_type!r} is not supported; use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings: make hidden_size / "
+                             f"num_attention_heads ({self.hidden_size} / {self.num_attention_heads}) even, or set an "
+                             "even head_dim")
         if self.rope_scaling is not None:
             rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rtype not in ("default", "llama3"):

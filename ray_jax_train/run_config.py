@@ -393,8 +393,10 @@ class ExperimentConfig(_Section):
                 grid_failures.setdefault(grid_point, str(exc))
         for (key, index), error in failures.items():
             if (key, index) not in passed:
-                raise ConfigError(f"tune.param_space.{key}: trials given {candidates[key][index]!r} would fail: "
-                                  f"{error}")
+                value = candidates[key][index]
+                hint = ("\n  A list is one value here; search its items with {grid_search: [...]} (each one) or "
+                        "{choice: [...]} (sampled)." if isinstance(value, list) else "")
+                raise ConfigError(f"tune.param_space.{key}: trials given {value!r} would fail: {error}{hint}")
         # A float range's ends may be whole numbers that an integer setting takes; the values Tune samples are not.
         # One value from inside each range, beside ends that passed (kept out of the product: 3 values per range).
         passing = next((c for c in itertools.product(*(range(len(candidates[k])) for k in keys))

@@ -58,7 +58,8 @@ class TrainingArguments(BaseModel):
     model config's. `dtype="bfloat16", param_dtype="float32"` is the usual mixed-precision recipe.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # NaN passed no bound check and was said as "should be >= 0"; inf is said as not finite, too.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
     def __init__(self, **arguments):
