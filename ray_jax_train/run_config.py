@@ -497,8 +497,19 @@ class ExperimentConfig(_Section):
         from ray_jax_train.lm.distributed_trainer import training_precision
 
         loaded = hf_dir is not None and "param_dtype" not in self.model_fields_set_values()
+        if warn:
+            self._say_what_is_overridden(config, precision)
         return training_precision(config, precision.get("dtype"), precision.get("param_dtype"),
                                   loaded_weights=loaded, warn=warn)
+
+    def _say_what_is_overridden(self, config: LlamaConfig, precision: Dict[str, str]) -> None:
+        """A precision the model section sets and the training section overrides, said once when the run is built
+        (it was taken silently)."""
+        log = logging.getLogger(__name__)
+        for key, value in precision.items():
+            written = self.model_fields_set_values().get(key)
+            if written is not None and canonical_dtype(written, f"model.{key}") != value:
+                log.warning("training.%s=%s overrides model.%s=%s for this run.", key, value, key, written)
 
     def has_eval_data(self) -> bool:
         """Whether `_datasets` gives an eval set: eval_source, or (stdlib) a fraction that holds a document."""

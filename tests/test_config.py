@@ -298,3 +298,15 @@ def test_a_name_from_another_trainer_is_pointed_at_ours_before_a_look_alike():
     for flag, meant in cases.items():
         with pytest.raises(ConfigError, match=f"did you mean {meant}"):
             parse_config(apply_overrides(base, [flag]))
+
+
+def test_a_training_precision_over_the_model_sections_is_said(caplog):
+    """model.dtype: float32 with training.dtype: bfloat16 trained in bf16 without a word (a review)."""
+    from ray_jax_train.run_config import load_config
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny_llama.yaml")
+    with caplog.at_level("WARNING", logger="ray_jax_train.run_config"):
+        assert load_config(tiny, ["training.dtype=bf16"]).llama_config(warn=True).dtype == "bfloat16"
+        load_config(tiny, ["training.dtype=float32"]).llama_config(warn=True)
+    assert caplog.text.count("overrides model.") == 1
+    assert "training.dtype=bfloat16 overrides model.dtype=float32 for this run" in caplog.text
