@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import shlex
@@ -362,7 +363,24 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             resolve_axes(config.mesh, devices)
         except ValueError as exc:
             raise ValueError(f"JaxConfig(mesh=...) does not fit the {devices} devices {who} will have: {exc}")
+    _check_dcn_spans_the_workers(config, scaling_config)
     return config
+
+
+def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
+    """On CPU and GPU the slow network's granules are the worker processes, known here: a dcn_mesh of another size
+    failed in every worker once they had started. (TPU granules are slices, known only there.)"""
+    workers = scaling_config.num_workers
+    if config.dcn_mesh is None or config.platform == "tpu" or not config.distributed or not isinstance(workers, int) \
+            or workers < 1:
+        return
+    known = math.prod(v for v in config.dcn_mesh.values() if v != -1)
+    inferred = any(v == -1 for v in config.dcn_mesh.values())
+    if (workers % known) if inferred else (known != workers):
+        raise ValueError(
+            f"JaxConfig(dcn_mesh={dict(config.dcn_mesh)}) spans {known}{' x n' if inferred else ''} processes, but "
+            f"the run has {workers} workers (on {config.platform.upper()} each worker is one process, the unit "
+            "dcn_mesh counts): make its sizes multiply to num_workers.")
 
 
 def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> Optional[int]:

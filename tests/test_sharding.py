@@ -310,6 +310,17 @@ def test_hybrid_mesh_plan_simulated():
         rjt.JaxConfig(mesh={"dp": -1}, dcn_mesh={"tp": 2})
     # One slice: the ordinary mesh.
     assert S.make_hybrid_mesh({"dp": 2, "fsdp": 2}, {"dp": 1}).shape == {"dp": 2, "fsdp": 2}
+    # On CPU/GPU the granules are the worker processes, known on the driver: said there, not by every worker.
+    from ray.train import ScalingConfig
+
+    from ray_jax_train.backend import resolve_jax_config
+
+    two = ScalingConfig(num_workers=2)
+    for dcn in ({"dp": 3}, {"dp": 2, "fsdp": 2}):
+        with pytest.raises(ValueError, match=r"spans \d+ processes, but the run has 2 workers"):
+            resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "fsdp": 1}, dcn_mesh=dcn), two)
+    for dcn in ({"dp": 2}, {"dp": -1}):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "fsdp": 1}, dcn_mesh=dcn), two)
 
 
 # -- in-process layouts: HLO and numerics -----------------------------------------------------------------
