@@ -584,6 +584,8 @@ def read_file(path: str) -> Dict[str, Any]:
     except _DuplicateKey as exc:
         raise ConfigError(f"{path}: key {exc} is given twice; the second would silently replace the first. Merge "
                           "them into one") from None
+    except _OctalInt as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if data is None:
         raise ConfigError(f"{path}: the file is empty; start from examples/tiny_llama.yaml (an empty config would "
                           "mean Llama's default sizes, 4096 wide and 32 layers)")
@@ -595,6 +597,10 @@ def read_file(path: str) -> Dict[str, Any]:
 
 
 class _DuplicateKey(Exception):
+    pass
+
+
+class _OctalInt(Exception):
     pass
 
 
@@ -618,6 +624,18 @@ class _NoDuplicatesLoader(yaml.SafeLoader):
                 raise _DuplicateKey(f"{key!r} (line {key_node.start_mark.line + 1})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        # YAML 1.1 reads 012 as octal 10: total_steps: 012 trained 10 steps.
+        text = self.construct_scalar(node).replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-7]+", text):
+            raise _OctalInt(f"{text} (line {node.start_mark.line + 1}) reads as the octal number "
+                            f"{super().construct_yaml_int(node)} in YAML; write it without the leading 0 (or "
+                            f"quoted, '{text}', for text)")
+        return super().construct_yaml_int(node)
+
+
+_NoDuplicatesLoader.add_constructor("tag:yaml.org,2002:int", _NoDuplicatesLoader.construct_yaml_int)
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -663,9 +681,11 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
             raise ConfigError(f"--set {item!r}: {key!r} is not a dotted key path like training.batch_size")
         resolve_path(parts, what="--set")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
+            value = yaml.load(raw, Loader=_NoDuplicatesLoader) if raw.strip() else None  # noqa: S506 (safe)
+        except (yaml.YAMLError, _DuplicateKey):
             value = raw
+        except _OctalInt as exc:
+            raise ConfigError(f"--set {item!r}: {exc}") from None
         if isinstance(value, dict) and any(v is None and re.fullmatch(r"[^:\s]+:\S+", str(k)) for k, v in value.items()):
             # YAML reads {dp:1} as the key "dp:1" with no value; the schema's error named that key only
             spaced = raw.replace(":", ": ").replace(",", ", ").replace(":  ", ": ").replace(",  ", ", ")

@@ -310,3 +310,19 @@ def test_a_training_precision_over_the_model_sections_is_said(caplog):
         load_config(tiny, ["training.dtype=float32"]).llama_config(warn=True)
     assert caplog.text.count("overrides model.") == 1
     assert "training.dtype=bfloat16 overrides model.dtype=float32 for this run" in caplog.text
+
+
+def test_a_yaml_number_with_a_leading_zero_is_refused_not_read_as_octal(tmp_path):
+    """YAML 1.1 reads 012 as 10: total_steps: 012 trained 10 steps (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, read_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  total_steps: 012\n  batch_size: 0x10\n")
+    with pytest.raises(ConfigError, match=r"012 \(line 2\) reads as the octal number 10 in YAML"):
+        read_file(str(path))
+    with pytest.raises(ConfigError, match=r"reads as the octal number 7 .*quoted, '007', for text"):
+        apply_overrides({}, ["run.name=007"])
+    assert apply_overrides({}, ["run.name='007'", "training.total_steps=0"]) == {
+        "run": {"name": "007"}, "training": {"total_steps": 0}}
+    path.write_text("training:\n  total_steps: 12\n  batch_size: 0x10\n")
+    assert read_file(str(path))["training"] == {"total_steps": 12, "batch_size": 16}
