@@ -908,6 +908,22 @@ def check_data_columns(config: ExperimentConfig) -> None:
         except TextDataError as exc:
             raise ConfigError(f"data.{which} ({first}) holds conversations in {messages_column!r}, and the tokenizer "
                               f"in {tokenizer_dir} cannot train on them: {exc}") from None
+    _check_model_vocab_fits_tokenizer(config)
+
+
+def _check_model_vocab_fits_tokenizer(config: ExperimentConfig) -> None:
+    """A model.vocab_size below a local tokenizer's size, said before Ray starts (it was, 30 s in)."""
+    vocab_size = config.model_fields_set_values().get("vocab_size")
+    tokenizer_dir = config.tokenizer.path or init_tokenizer_dir(config)
+    if vocab_size is None or tokenizer_dir is None or is_uri(tokenizer_dir):
+        return
+    from ray_jax_train.lm.data import check_tokenizer_fits
+    from ray_jax_train.text import ensure_pad_token, load_tokenizer
+
+    try:
+        check_tokenizer_fits(ensure_pad_token(load_tokenizer(tokenizer_dir)), int(vocab_size))
+    except ValueError as exc:
+        raise ConfigError(f"model.vocab_size: {exc}") from None
 
 
 def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[str]:

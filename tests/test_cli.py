@@ -902,6 +902,12 @@ def test_paths_that_are_files_or_hold_no_tokenizer_exit_2_saying_so(tmp_path, ca
              ("tokenizer.path", tmp_path / "empty", "holds no tokenizer; set it to a directory saved with"),
              ("model.init_from", tmp_path / "file", "is a file, not a directory")]
     cases.append(("run.name", "../escaped", "must name one directory under the storage path"))  # wrote outside it
+    from ray_jax_train.text import train_tokenizer
+
+    train_tokenizer(["some words to learn here and there"] * 30, vocab_size=300, save_dir=str(tmp_path / "tok"))
+    code, _, err = run(["config", "validate", TINY, "--set", f"tokenizer.path={tmp_path / 'tok'}", "--set",
+                        "model.vocab_size=100"], capsys)  # said 30 s into `fit`, with Ray up
+    assert code == 2 and "model.vocab_size: The tokenizer gives ids up to" in err, err
     for key, path, said in cases:
         code, _, err = run(["config", "validate", TINY, "--set", f"{key}={path}"], capsys)
         assert code == 2 and key in err and said in err, err
