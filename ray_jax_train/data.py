@@ -205,6 +205,7 @@ def iter_jax_batches(
     iterator = resolve_dataset(dataset)
     if isinstance(dataset, str):
         _check_split(dataset, iterator)
+    _end_the_open_epoch(iterator)
     # Ray Data pays a fixed cost per batch; read several steps' rows at once and slice them here.
     read_rows = local_rows * max(1, -(-min_read_rows // local_rows))
     host_batches = iterator.iter_batches(
@@ -232,7 +233,28 @@ def iter_jax_batches(
             for key, value in batch.items()
         }
 
-    return _prefetched(map(to_device, host_batches), prefetch)
+    batches = _prefetched((to_device(batch) for batch in host_batches), prefetch)
+    try:
+        _open_epochs[iterator] = weakref.ref(batches)
+    except TypeError:  # an iterator that cannot be weakly referenced: nothing to end at the next open
+        pass
+    return batches
+
+
+# The batches last opened on each Ray DataIterator. Ray's split iterator ends an epoch when its reader closes, and
+# takes the epoch to end from the iterator object, so an epoch abandoned earlier and closed after the next one had
+# started (by garbage collection, or by the caller, later) ended that next one: it gave no batch.
+_open_epochs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _end_the_open_epoch(iterator) -> None:
+    try:
+        earlier = _open_epochs.pop(iterator, None)
+    except TypeError:  # not weak-referenceable: nothing was recorded for it
+        return
+    batches = earlier() if earlier is not None else None
+    if batches is not None:
+        batches.close()
 
 
 def _skipped(batches, skip: int):
@@ -557,6 +579,11 @@ def _prefetched(iterable, depth: int):
 
     The thread starts now, not at the first `next()`: a loop that opens its data before building and compiling
     its state gets Ray Data's start-up (seconds for the first block) done in the meantime.
+
+    A consumer that stops early (an eval capped at max_eval_steps) closes the reading chain from this thread and
+    waits for it: Ray's split iterator ends its epoch when its generator is closed, and reads the epoch to end from
+    the iterator object. Left to garbage collection, an abandoned epoch's close came after the next epoch of the
+    same shard had started, ended that one instead, and the next eval got no batch at all.
     """
     buffer: "queue.Queue" = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -580,22 +607,45 @@ def _prefetched(iterable, depth: int):
             put(_DONE)
         except BaseException as exc:  # surfaced in the consumer, never swallowed
             put(exc)
+        finally:
+            close = getattr(iterable, "close", None)
+            if close is not None:
+                close()  # ends the generators below it, Ray's reader last, here and now
 
-    threading.Thread(target=produce, name="ray_jax_train-prefetch", daemon=True).start()
-    batches = _consume(buffer, stop)
-    # An iterator dropped before its first next() never runs _consume's `finally`: stop the thread anyway.
-    weakref.finalize(batches, stop.set)
-    return batches
+    thread = threading.Thread(target=produce, name="ray_jax_train-prefetch", daemon=True)
+    thread.start()
+    return _Prefetched(buffer, stop, thread)
 
 
-def _consume(buffer: "queue.Queue", stop: threading.Event):
-    try:
-        while True:
-            item = buffer.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+_PRODUCER_JOIN_S = 30.0  # a reader blocked past this (on other workers' data) is left to finish on its own
+
+
+class _Prefetched:
+    """The consumer's side of `_prefetched`: an iterator whose `close()` (also at its end, and at an error) stops
+    the reading thread and waits for it to close the readers."""
+
+    def __init__(self, buffer: "queue.Queue", stop: threading.Event, producer: threading.Thread):
+        self._buffer, self._stop, self._producer, self._done = buffer, stop, producer, False
+        # Dropped without close() (a loop that breaks and forgets it): the thread still stops.
+        weakref.finalize(self, stop.set)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        item = self._buffer.get()
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        if self._producer is not threading.current_thread():
+            self._producer.join(_PRODUCER_JOIN_S)

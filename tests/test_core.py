@@ -246,6 +246,37 @@ def test_iter_jax_batches_reads_at_once_and_stops_when_dropped(ray_cluster):
     assert not thread.is_alive(), "the reader of an iterator closed after the data ended kept running"
 
 
+def _epochs_cut_short(config):
+    import gc
+
+    counts = []
+    for _ in range(4):  # an eval capped at max_eval_steps, every few steps: 2 of 3 runs of a 200-step job died
+        batches = rjt.iter_jax_batches("train", batch_size=4, mesh=rjt.get_mesh())
+        next(batches)
+    abandoned = rjt.iter_jax_batches("train", batch_size=4, mesh=rjt.get_mesh())
+    next(abandoned)
+    batches = rjt.iter_jax_batches("train", batch_size=4, mesh=rjt.get_mesh())
+    time.sleep(1)  # the next epoch has begun
+    del abandoned  # closed after the next epoch began: Ray ended that next epoch instead
+    gc.collect()
+    counts.append(sum(1 for _ in batches))
+    counts.append(sum(1 for _ in rjt.iter_jax_batches("train", batch_size=4, mesh=rjt.get_mesh())))
+    with open(os.path.join(config["out"], "counts.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def test_an_epoch_cut_short_ends_before_the_next_one_opens(ray_cluster, tmp_path):
+    """Ray's split iterator ends an epoch when its reader closes, taking the epoch from the iterator object; an
+    epoch abandoned by an early break and closed late ended the next one, which gave no batch ("The eval dataset
+    gave no batch" after dozens of good evals)."""
+    import ray.data
+
+    result = _fit(_epochs_cut_short, tmp_path, {"out": str(tmp_path)}, num_workers=1,
+                  datasets={"train": ray.data.range(4096, override_num_blocks=64)})
+    assert result.error is None, result.error
+    assert json.loads((tmp_path / "counts.json").read_text()) == [1024, 1024]
+
+
 def test_a_short_read_first_does_not_end_the_epoch():
     """Ray Data's prefetch threads can hand over a read's short tail before the full reads (seen with 2 workers:
     reads of [5, 1024] rows). Steps are cut to exactly `rows`; only the stream's last piece may be short, because

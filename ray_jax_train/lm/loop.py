@@ -16,6 +16,7 @@ The step runs asynchronously: losses stay on device and the host only waits at l
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -212,10 +213,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         sums = []
         batches = iter_jax_batches("eval", batch_size=batch_size, mesh=mesh, columns=columns, remainder="pad",
                                    dtypes=np.int32)
-        for i, batch in enumerate(batches):
-            if args.max_eval_steps and i >= args.max_eval_steps:
-                break
-            sums.append(eval_step(state["params"], batch))
+        with contextlib.closing(batches):  # capped by max_eval_steps: the epoch ends before the next eval opens
+            for i, batch in enumerate(batches):
+                if args.max_eval_steps and i >= args.max_eval_steps:
+                    break
+                sums.append(eval_step(state["params"], batch))
         if not sums:  # every process agreed on no batch, so all raise here together
             raise ValueError(
                 "The eval dataset gave no batch: Ray splits it equally, rows // workers to each, so it needs at "
