@@ -1277,7 +1277,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray_jax_train.lm import state as state_lib
-    from ray_jax_train.lm.data import prepare_lm_datasets
+    from ray_jax_train.lm.data import in_order_split, prepare_lm_datasets
     from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
     from ray_jax_train.lm.profiling import with_trace_flags
     from ray_jax_train.trainer import JaxTrainer
@@ -1331,6 +1331,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
                              callbacks=callbacks or None,
                              **(quiet_run_settings() if quiet else {})),
         datasets=datasets,
+        dataset_config=in_order_split(),
     )
     info = {"name": name, "storage_path": storage, "run_dir": run_dir, "total_steps": total_steps,
             "tokenizer": tokenizer, "resumes_from": resumes_from, "resumes_at": checkpoint_step(resumes_from)}

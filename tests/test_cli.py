@@ -333,12 +333,19 @@ def test_a_profiled_cli_run_turns_on_xla_cpu_op_events(ray_cluster, tmp_path):
     from ray_jax_train.lm.profiling import CPU_TRACE_FLAG
     from ray_jax_train.run_config import build_trainer, load_config
 
+    built = []
+
     def flags(*overrides):
         trainer, _ = build_trainer(load_config(TINY, [f"run.storage_path={tmp_path}", *overrides]))
+        built.append(trainer)
         return list(trainer.jax_config.xla_flags)
 
     assert CPU_TRACE_FLAG in flags("training.profile_start_step=2")
     assert CPU_TRACE_FLAG not in flags()
+    # The shards keep the prepared rows' order: Ray Train's default DataConfig turned preserve_order off and split
+    # by who asked first, and about 1 fresh 2-worker run in 4 trained on other batches (a review).
+    options = built[-1].data_config._resolve_execution_options("train")
+    assert options.preserve_order is True
 
 
 def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster, capsys, tmp_path):

@@ -299,7 +299,7 @@ class RayDistributedTrainer:
         from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
         from ray_jax_train.lm import state as state_lib
-        from ray_jax_train.lm.data import prepare_lm_datasets
+        from ray_jax_train.lm.data import in_order_split, prepare_lm_datasets
         from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
         from ray_jax_train.lm.metrics import with_final_metrics
         from ray_jax_train.trainer import JaxTrainer, ensure_ray_leaves_cpu_for_data
@@ -382,6 +382,7 @@ class RayDistributedTrainer:
                     **({} if verbose else quiet_run_settings()),
                 ),
                 datasets=datasets,
+                dataset_config=in_order_split(),
             )
             result = with_final_metrics(trainer.fit())
             self.last_result = result
