@@ -105,8 +105,9 @@ class TrainingArguments(BaseModel):
     save_steps: Optional[int] = Field(None, ge=1)
     save_total_limit: Optional[int] = Field(None, ge=1)
     save_final_model: bool = True
-    # Rank 0's progress: a bar when the driver prints to a terminal, else (or with progress_bar false) a line per
-    # log step; quiet turns both off (metrics still go to metrics.jsonl, Ray's reports and TensorBoard).
+    # Rank 0's progress is a line per log step; quiet turns it off (metrics still go to metrics.jsonl, Ray's
+    # reports and TensorBoard). progress_bar is kept for configs that set it: it changes nothing (no bar reached
+    # the driver from Train V2's workers).
     progress_bar: bool = True
     quiet: bool = False
     # A jax.profiler trace of steps profile_start_step .. +profile_num_steps-1 on every worker, in the run's

@@ -9,7 +9,6 @@ Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CL
     has_eval      whether an "eval" dataset was given
     tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model and into model/
                   (optional)
-    progress_lines  rank 0 logs a line per log step instead of drawing a bar (the driver's stdout is no terminal)
     record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
@@ -25,7 +24,6 @@ import math
 import os
 import shutil
 import tempfile
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -60,8 +58,7 @@ def loop_config(args, model_config, total_steps: int, init: Dict[str, Any], colu
     tokenizer_ref = ray.put(tokenizer) if tokenizer is not None and wanted else None
     return {"arguments": args.model_dump(), "model_config": model_config.model_dump(), "total_steps": total_steps,
             "init": init, "columns": list(columns), "has_eval": has_eval, "tokenizer": tokenizer_ref,
-            "generation_config": _generation_config_of(init) if wanted else None,
-            "progress_lines": not _is_terminal(sys.stdout), **extra}
+            "generation_config": _generation_config_of(init) if wanted else None, **extra}
 
 
 def _generation_config_of(init: Dict[str, Any]) -> Optional[str]:
@@ -77,14 +74,6 @@ def _generation_config_of(init: Dict[str, Any]) -> Optional[str]:
             return f.read()
     except OSError:  # none, or unreadable: the model generates with its config.json's eos as before
         return None
-
-
-def _is_terminal(stream) -> bool:
-    """Whether the driver prints to a terminal: else the loop logs lines, not a bar (see `Progress`)."""
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # a replaced or closed stream
-        return False
 
 
 def train_loop_per_worker(config: Dict[str, Any]) -> None:
@@ -195,10 +184,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         # config that the run's earlier checkpoints export with.
         outputs.save_model_files(model_config, config.get("tokenizer"), config.get("generation_config"))
     metrics_file = outputs.metrics_file() if rank0 else None
-    # progress_bar=False turns the bar off, not the progress: a Tune example set it, and its trials logged nothing
-    # until the search ended.
-    progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet,
-                        lines=config.get("progress_lines", False) or not args.progress_bar)
+    progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet)
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
                             outputs.filesystem, rank=ray.train.get_context().get_world_rank())
     profiler.skip_resumed(step)
@@ -335,7 +321,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if metrics_file is not None:
             metrics_file.close()
 
-    progress.close()
     if checkpointer is not None or args.save_final_model:
         checkpoint_metrics()  # the last steps' update, before the final checkpoint and model keep it
     if checkpointer is not None:

@@ -134,41 +134,26 @@ class Throughput:
 
 
 class Progress:
-    """Rank 0's progress: a bar (Ray's `tqdm_ray`, drawn by the driver) where the driver prints to a terminal, else
-    one plain line per log step. A bar's carriage returns turn a log file (`ray job logs`, CI, a pipe) into one
-    long line of redrawn bars."""
+    """Rank 0's progress: one line per log step (step, loss, tokens/s, time left), in a terminal as in a log file.
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True, lines: bool = False):
-        self.bar, self.lines, self.total = None, enabled and lines, total
+    Not a bar: Ray's `tqdm_ray` state never reached the driver from a Train V2 worker (a terminal showed blank lines
+    and no progress at all, a review), and a bar's carriage returns turn a log file (`ray job logs`, CI, a pipe)
+    into one long line of redrawn bars."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        self.enabled, self.total = enabled, total
         self.step, self.first = initial, None  # (time, step) when the first step finished: compile left out
-        if not enabled or lines:
-            return
-        try:
-            from ray.experimental.tqdm_ray import tqdm
-        except ImportError:  # pragma: no cover - older Ray
-            from tqdm import tqdm
-        self.bar = tqdm(total=total, desc="train", unit="step")
-        if initial:
-            self.bar.update(initial)
 
     def update(self, steps: int, metrics: Optional[Dict[str, float]] = None) -> None:
         self.step += steps
         if self.first is None and steps:
             self.first = (time.perf_counter(), self.step)
-        if self.lines and metrics:
+        if self.enabled and metrics:
             # The process's own stdout, which Ray forwards to the driver: Train V2 sends print() to its logger too,
             # so a print shows twice.
             stream = sys.__stdout__ or sys.stdout
             stream.write(self.line(metrics) + "\n")
             stream.flush()
-        if self.bar is None:
-            return
-        shown = {k: metrics[k] for k in ("loss", "eval_loss") if k in metrics} if metrics else {}
-        if shown and hasattr(self.bar, "set_postfix"):
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
-        elif shown:  # tqdm_ray has no postfix: put the numbers in the description
-            self.bar.set_description("train " + " ".join(f"{k}={v:.4g}" for k, v in shown.items()))
-        self.bar.update(steps)
 
     def line(self, metrics: Dict[str, float]) -> str:
         parts = [f"step {self.step}/{self.total}"]
@@ -181,9 +166,6 @@ class Progress:
                          f"{_duration(per_step * max(self.total - self.step, 0))} left")
         return "[train] " + ", ".join(parts)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def _duration(seconds: float) -> str:
