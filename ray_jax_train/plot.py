@@ -132,11 +132,11 @@ def search_trials(search_dir: str) -> List[Dict]:
     """
     import re
 
-    search_dir = os.path.normpath(search_dir)
+    search_dir = os.path.abspath(search_dir)  # best.json holds an absolute path
     best_run = None
     try:
         with open(os.path.join(search_dir, "best.json")) as f:
-            best_run = os.path.normpath(json.load(f).get("run_dir") or "")
+            best_run = os.path.abspath(json.load(f).get("run_dir") or "")
     except (OSError, ValueError, AttributeError):
         pass
     trials = []

@@ -460,6 +460,12 @@ def test_plot_of_a_search_draws_every_trial_s_loss_together(tmp_path, capsys):
     trials = search_trials(str(search))
     assert [(t["label"], t["best"]) for t in trials] == [("learning_rate=0.0030", True),
                                                           ("learning_rate=0.0001", False), ("learning_rate=1", False)]
+    here = os.getcwd()
+    try:  # a relative path, as typed: best.json's absolute one matched no trial (a review)
+        os.chdir(tmp_path)
+        assert [t["best"] for t in search_trials("lr-search")] == [True, False, False]
+    finally:
+        os.chdir(here)
     code, out, _ = run(["plot", str(search)], capsys)
     assert code == 0 and out.strip() == str(search / "trials.png")
     assert matplotlib.image.imread(out.strip()).shape[0] > 100
