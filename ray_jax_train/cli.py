@@ -429,10 +429,13 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
 
         line += _where_the_bad_row_is(read_error(_worker_error(exc)), config)
     print(f"[ray-jax-train] training failed: {line}", file=sys.stderr)
-    print(f"[ray-jax-train] logs and partial outputs: {run_dir} (re-run with --verbose for the traceback)",
-          file=sys.stderr)
+    print(f"[ray-jax-train] logs and partial outputs: {run_dir}"
+          + ("" if verbose else " (re-run with --verbose for the traceback)"), file=sys.stderr)
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
-        print(f"[ray-jax-train] resume:  {resume}", file=sys.stderr)
+        from ray_jax_train.retries import repeats_on_retry
+
+        fix_first = " (after fixing the cause: as it is, it stops the same way)" if repeats_on_retry(exc) else ""
+        print(f"[ray-jax-train] resume:  {resume}{fix_first}", file=sys.stderr)
     return EXIT_FAILED
 
 

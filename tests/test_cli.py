@@ -361,6 +361,20 @@ def test_training_failure_exits_1_with_a_short_message(monkeypatch, ray_cluster,
     assert code == 1
     assert "training failed: RuntimeError: Caused by: ValueError: loss is nan" in err and str(tmp_path) in err
     assert f"resume:  ray-jax-train fit {TINY} --set run.name=x" in err  # e.g. once a lost node is back
+    assert "after fixing the cause" not in err and "re-run with --verbose" in err
+    # An error every attempt repeats: the resume line says the cause comes first; --verbose has the traceback, and
+    # no longer ends by advising it.
+    from ray_jax_train.lm import NonFiniteLossError
+
+    class GoesNaN:
+        def fit(self):
+            raise NonFiniteLossError("Step 2 gave loss nan")
+
+    monkeypatch.setattr(run_config, "build_trainer", lambda config, **kw: (GoesNaN(), info))
+    code, _, err = run(["-v", "fit", TINY], capsys)
+    assert code == 1 and "(after fixing the cause: as it is, it stops the same way)" in err, err
+    assert "re-run with --verbose" not in err and "Traceback" in err
+    monkeypatch.setattr(run_config, "build_trainer", lambda config, **kw: (Failing(), info))
     # The run's directory keeps its effective config, paths absolute, which reads back as the same run.
     from ray_jax_train.run_config import dump, load_config
 
