@@ -951,3 +951,27 @@ def test_data_files_that_hold_nothing_to_read_exit_2_before_ray(tmp_path, capsys
     for name, said in cases.items():
         code, _, err = run(["config", "validate", TINY, "--set", f"data.source={tmp_path / name}"], capsys)
         assert code == 2 and f"data.source: {said}" in err, err
+
+
+def test_a_run_stopped_before_ray_registered_a_checkpoint_resumes_from_its_finished_one(tmp_path):
+    """A second Ctrl-C can end the driver before Ray registers the first save: no record, one finished checkpoint.
+    The next start resumes from it; the driver said "(no checkpoint saved yet: it starts over)", and export
+    found nothing (a review)."""
+    import time
+
+    from ray_jax_train.checkpoint.core import FORMAT, META_FILE, STATE_ITEM
+    from ray_jax_train.cli import _resume_point
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 20, "loss": 5.0}\n')
+    assert _resume_point(str(run_dir)) == "(no checkpoint saved yet: it starts over)"
+    for step, finished in ((20, True), (30, False)):  # the step-30 save was cut off: not offered
+        checkpoint = run_dir / f"checkpoint_{step:09d}_0a1b2c3d"
+        (checkpoint / META_FILE).parent.mkdir(parents=True)
+        (checkpoint / META_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "time": time.time()}))
+        (checkpoint / "_CHECKPOINT_METADATA").write_text("{}")
+        if finished:
+            (checkpoint / STATE_ITEM).mkdir()
+            (checkpoint / STATE_ITEM / "_METADATA").write_text("{}")
+    assert _resume_point(str(run_dir)) == "(from the checkpoint of step 20)"

@@ -151,6 +151,17 @@ def _resolve(source: str):
             logger.warning("Exporting %s, a finished checkpoint newer than the last one Ray registered (the run "
                            "stopped before registering it).", newer[0].uri)
         return f"{where}/{name.rstrip('/').rsplit('/', 1)[-1]}{query}", where + query
+    if has("metrics.jsonl"):
+        from ray_jax_train.checkpoint.core import _location_of, finished_after
+
+        # Stopped before Ray registered its first checkpoint (a second Ctrl-C): no record, but a finished save,
+        # which the next start resumes from. The driver said "no checkpoint saved yet: it starts over".
+        unregistered = finished_after(_location_of(where + query), None)
+        if unregistered:
+            logger.warning("Exporting %s, a finished checkpoint of a run that stopped before Ray registered any.",
+                           unregistered[0].uri)
+            name = unregistered[0].fs_path.rstrip("/").rsplit("/", 1)[-1]
+            return f"{where}/{name}{query}", where + query
     if has("best.json"):  # a Tune search's directory: its best trial is what a user exports
         best = _read_json(fs, f"{path}/best.json")
         if best.get("checkpoint"):
