@@ -5,6 +5,7 @@ test_multinode.py. Only two subprocesses here, to prove the console script and `
 """
 import json
 import os
+import time
 import subprocess
 import sys
 
@@ -975,3 +976,17 @@ def test_a_run_stopped_before_ray_registered_a_checkpoint_resumes_from_its_finis
             (checkpoint / STATE_ITEM).mkdir()
             (checkpoint / STATE_ITEM / "_METADATA").write_text("{}")
     assert _resume_point(str(run_dir)) == "(from the checkpoint of step 20)"
+
+
+def test_the_summary_gives_the_median_speed_of_the_log_steps(tmp_path, capsys):
+    """It gave the last log step's tokens/s: 801 or 10550 where the run's median was about 4400 (a review)."""
+    from types import SimpleNamespace
+
+    from ray_jax_train.cli import _summary
+
+    rates = [4400, 4300, 4500, 801]  # the last interval held an eval and a save
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * (i + 1), "loss": 5.0 - i, "tokens_per_s": r}) + "\n" for i, r in enumerate(rates)))
+    args = SimpleNamespace(config="c.yaml", overrides=[])
+    _summary(args, SimpleNamespace(checkpoint=None), {"name": "x", "run_dir": str(tmp_path)}, time.time())
+    assert "; 4400 tokens/s (median of 4 log steps)" in capsys.readouterr().out
