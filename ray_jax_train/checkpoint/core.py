@@ -844,8 +844,9 @@ class JaxCheckpointer:
             pending.done.set()
 
     def _drop_adopted_before(self, step: int) -> None:
-        """Delete the adopted checkpoints older than a save now complete: Ray's retention never sees them, and a
-        stop from here on finds this newer one to adopt instead."""
+        """Delete the adopted checkpoints older than a save now complete, or than the one restored: Ray's retention
+        never sees them, and a stop from here on finds the newer one to adopt instead. (Workers stopped by Ctrl-C
+        save on for a moment; with a save every step a run kept 11 such checkpoints past checkpoints_to_keep.)"""
         older = [loc for loc in self._adopted if _step_of(loc) < step]
         self._adopted = [loc for loc in self._adopted if _step_of(loc) >= step]
         if _sync.process_index() != 0:
@@ -1153,7 +1154,9 @@ class JaxCheckpointer:
         candidates = self._agree_on(candidates, listed=reported is not None)
         if not candidates:
             return None
-        return self._restore_first(candidates, target, explicit=False, partial=partial)
+        restored = self._restore_first(candidates, target, explicit=False, partial=partial)
+        self._drop_adopted_before(restored.step)
+        return restored
 
     def _agree_on(self, candidates: List[_Location], listed: bool) -> List[_Location]:
         """One candidate list on every process: the first whose query to Ray succeeded (`listed`). A process
