@@ -169,3 +169,21 @@ def filter_worker_notices() -> Callable[[], None]:
             dispatcher.handlers = [(n, original if h is print_but_notices else h) for n, h in dispatcher.handlers]
 
     return undo
+
+
+def every_worker_line() -> Callable[[], None]:
+    """Turn off Ray's log deduplication in this driver (returns the undo): it folds lines that differ only in their
+    numbers, so of trials that log at the same steps one trial's progress showed and the others' read "[repeated
+    3x across cluster]" (a review of a Tune search)."""
+    try:
+        from ray._private import ray_logging
+    except ImportError:  # pragma: no cover - a Ray that moved it
+        return lambda: None
+    if not hasattr(ray_logging, "RAY_DEDUP_LOGS"):  # pragma: no cover
+        return lambda: None
+    kept, ray_logging.RAY_DEDUP_LOGS = ray_logging.RAY_DEDUP_LOGS, False
+
+    def undo() -> None:
+        ray_logging.RAY_DEDUP_LOGS = kept
+
+    return undo

@@ -1268,7 +1268,7 @@ def jax_config_for(scaling: ScalingSection):
 
 
 def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, callbacks: Sequence[Any] = (),
-                  tokenizer_path: Optional[str] = None, quiet: bool = False):
+                  tokenizer_path: Optional[str] = None, quiet: bool = False, progress_label: Optional[str] = None):
     """A ready `JaxTrainer` running the built-in LM loop for `config` (driver side; Ray must be up).
 
     Returns (trainer, info) where info has the run name, run directory and total steps. Tokenisation runs
@@ -1320,7 +1320,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     trainer = JaxTrainer(
         quiet_train_loop if quiet else train_loop_per_worker,
         train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets,
-                                      tokenizer=tokenizer),
+                                      tokenizer=tokenizer, progress_label=progress_label),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
                                      resources_per_worker=s.worker_resources() if custom else None,
                                      placement_strategy=s.placement_strategy),

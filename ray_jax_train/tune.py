@@ -29,7 +29,7 @@ from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, Config
                                       TuneSection, apply_overrides, build_trainer, check_cluster_fits,
                                       ensure_tokenizer, init_tokenizer_dir, parse_config, read_file,
                                       trained_tokenizer_dir, trial_lengths)
-from ray_jax_train.quiet import filter_worker_notices, quiet_data_context, quiet_worker
+from ray_jax_train.quiet import every_worker_line, filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, is_uri, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
@@ -290,9 +290,11 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
         init_ray(num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
                  **({"runtime_env": {"env_vars": dict(QUIET_ENV)}} if quiet and private else {}))
     undo_filter = filter_worker_notices() if quiet else None
+    undo_dedup = every_worker_line()
     try:
         return _run(base, quiet=quiet, resume=resume, resume_errored=resume_errored, resuming=resuming)
     finally:
+        undo_dedup()
         if undo_filter is not None:
             undo_filter()
 
@@ -354,7 +356,8 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         context = tune.get_context()
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",
-                                   callbacks=[TuneReportCallback()], quiet=quiet)
+                                   callbacks=[TuneReportCallback()], quiet=quiet,
+                                   progress_label=f"trial {context.get_trial_id()}")
         trainer.fit()
 
     trainable = tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus})

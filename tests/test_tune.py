@@ -248,8 +248,11 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert "=== ray-jax-train: search done ===" in done.stdout and "trials:      4 (0 failed" in done.stdout
     # Short output: trials build their datasets in their own processes, with Ray Data's progress bars off there too.
     assert "row/s" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
-    # But each trial's progress shows as it trains, a line per log step (an ops review: nothing until the end).
-    assert "[train] step 1/4, loss " in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    # But each trial's progress shows as it trains, a line per log step (an ops review: nothing until the end),
+    # named by trial, every trial's (Ray's deduplication showed one trial's lines and folded the others').
+    shown = done.stdout + done.stderr
+    trials_shown = set(re.findall(r"\[train trial (\w+)\] step 1/\d+, loss ", shown))
+    assert len(trials_shown) == 4, shown[-3000:]
 
     experiment = tmp_path / "tune-tiny-llama"
     last_steps, cache_hits = {}, []
@@ -465,3 +468,25 @@ def test_a_searched_vocab_size_below_the_tokenizer_is_refused_before_trials(tmp_
         _check_searched_vocab_sizes(base, str(tmp_path / "tok"))
     _check_searched_vocab_sizes(parse_config({**tiny, "tune": {"param_space": {"model.vocab_size": {
         "grid_search": [512, 1024]}}}}), str(tmp_path / "tok"))
+
+
+def test_a_search_shows_every_trial_s_progress_lines_by_name():
+    """Ray folds lines that differ only in numbers: of trials logging the same steps, one trial's progress showed,
+    the others' read "[repeated 3x across cluster]", and no line said which trial it was (a review)."""
+    from ray._private import ray_logging
+
+    from ray_jax_train.lm.metrics import Progress
+    from ray_jax_train.quiet import every_worker_line
+
+    lines = [Progress(8, label=f"trial 1a2b3_0000{i}").line({"loss": 5.0}) for i in range(2)]
+    assert lines[0].startswith("[train trial 1a2b3_00000] step 0/8, loss 5")
+    batch = {"ip": "1.2.3.4", "pid": 1, "lines": [lines[0]]}
+    deduplicator = ray_logging.LogDeduplicator(agg_window_s=60, allow_re=None, skip_re=None, _timesource=lambda: 0)
+    deduplicator.deduplicate(batch)
+    assert deduplicator.deduplicate({**batch, "pid": 2, "lines": [lines[1]]})[0]["lines"] == []  # folded
+    undo = every_worker_line()
+    try:
+        assert deduplicator.deduplicate({**batch, "pid": 3, "lines": [lines[1]]})[0]["lines"] == [lines[1]]
+    finally:
+        undo()
+    assert ray_logging.RAY_DEDUP_LOGS is True

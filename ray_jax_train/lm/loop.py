@@ -9,6 +9,7 @@ Config keys (built by `loop_config`, as `RayDistributedTrainer.train` and the CL
     has_eval      whether an "eval" dataset was given
     tokenizer     an object ref of the tokenizer that rank 0 saves beside the final model and into model/
                   (optional)
+    progress_label  named in rank 0's progress lines ("[train trial 1a2b3_00001] step ..."), for a Tune trial
     record_dir    tests only: rank 0 writes the starting and final params and every step's global batch there
 
 The step runs asynchronously: losses stay on device and the host only waits at log/eval/save steps.
@@ -184,7 +185,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         # config that the run's earlier checkpoints export with.
         outputs.save_model_files(model_config, config.get("tokenizer"), config.get("generation_config"))
     metrics_file = outputs.metrics_file() if rank0 else None
-    progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet)
+    progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet,
+                        label=config.get("progress_label"))
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",
                             outputs.filesystem, rank=ray.train.get_context().get_world_rank())
     profiler.skip_resumed(step)

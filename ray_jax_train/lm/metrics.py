@@ -140,8 +140,8 @@ class Progress:
     and no progress at all, a review), and a bar's carriage returns turn a log file (`ray job logs`, CI, a pipe)
     into one long line of redrawn bars."""
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
-        self.enabled, self.total = enabled, total
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, label: Optional[str] = None):
+        self.enabled, self.total, self.label = enabled, total, label
         self.step, self.first = initial, None  # (time, step) when the first step finished: compile left out
 
     def update(self, steps: int, metrics: Optional[Dict[str, float]] = None) -> None:
@@ -164,7 +164,7 @@ class Progress:
             per_step = (time.perf_counter() - self.first[0]) / (self.step - self.first[1])
             parts.append(f"{_duration(per_step * (self.step - self.first[1]))} since step 1, "
                          f"{_duration(per_step * max(self.total - self.step, 0))} left")
-        return "[train] " + ", ".join(parts)
+        return f"[train{f' {self.label}' if self.label else ''}] " + ", ".join(parts)
 
 
 
