@@ -233,11 +233,12 @@ def iter_jax_batches(
             for key, value in batch.items()
         }
 
-    batches = _prefetched((to_device(batch) for batch in host_batches), prefetch)
-    try:
+    stop = threading.Event()
+    if agreement is not None:
+        agreement.stop = stop
+    batches = _prefetched((to_device(batch) for batch in host_batches), prefetch, stop)
+    if _is_split_shard(iterator):
         _open_epochs[iterator] = weakref.ref(batches)
-    except TypeError:  # an iterator that cannot be weakly referenced: nothing to end at the next open
-        pass
     return batches
 
 
@@ -248,13 +249,24 @@ _open_epochs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _end_the_open_epoch(iterator) -> None:
-    try:
-        earlier = _open_epochs.pop(iterator, None)
-    except TypeError:  # not weak-referenceable: nothing was recorded for it
+    """Only for a trainer dataset's shard (Ray's split iterator), whose epochs run one at a time anyway: a Dataset or
+    its plain iterator runs each pass apart, and two open at once (an eval mid-epoch, a zip) must both go on."""
+    if not _is_split_shard(iterator):
         return
+    earlier = _open_epochs.pop(iterator, None)
     batches = earlier() if earlier is not None else None
     if batches is not None:
+        if not batches.finished:
+            logger.debug("Ending the epoch of an earlier iterator over this shard, still open: a new one opens.")
         batches.close()
+
+
+def _is_split_shard(iterator) -> bool:
+    try:
+        from ray.data._internal.iterator.stream_split_iterator import StreamSplitDataIterator
+    except ImportError:  # pragma: no cover - a Ray that moved it: every iterator is then left alone
+        return False
+    return isinstance(iterator, StreamSplitDataIterator)
 
 
 def _skipped(batches, skip: int):
@@ -455,6 +467,10 @@ def _local_only(batches, rows: int, remainder: str, mask_key: str):
             yield _pad(batch, rows, mask_key)
 
 
+class _ReaderStopped(Exception):
+    """The consumer of the batches stopped while their reader waited for the other processes."""
+
+
 class _Agreement:
     """Host-side agreement between processes through jax.distributed's key-value store.
 
@@ -474,6 +490,7 @@ class _Agreement:
         self._timeout_ms = int(timeout_s * 1000)
         self._round = 0
         self.first_counts: Optional[List[int]] = None  # each process's full batches in the first window
+        self.stop: Optional[threading.Event] = None  # set when the consumer has stopped
 
     def compare_opened(self, warn_after_s: float = 60.0) -> None:
         """At the opening, before any read: every process must have opened the same iterator at this point. Called
@@ -527,8 +544,7 @@ class _Agreement:
     def gather(self, value: int) -> list:
         key = f"{self._prefix}/{self._round}"
         self._client.key_value_set(f"{key}/{self._rank}", str(value))
-        answers = [self._client.blocking_key_value_get(f"{key}/{p}", self._timeout_ms) for p in range(self._size)]
-        values = [int(answer) for answer in answers]
+        values = [int(self._get(f"{key}/{p}")) for p in range(self._size)]
         # Every process has now set this round's key, so each has read all of the round before (and what the
         # others opened): those keys are never read again. Deleting them keeps the coordinator's store small.
         if self._round == 0:
@@ -537,6 +553,24 @@ class _Agreement:
             self._client.key_value_delete(f"{self._prefix}/{self._round - 1}/{self._rank}")
         self._round += 1
         return values
+
+    def _get(self, key: str) -> str:
+        """The value of `key`, waited for in slices so a consumer that stops (an eval capped at max_eval_steps)
+        ends this reader too: the other process, stopped a round earlier, never sets this round's key, and the wait
+        held the reader, and Ray's reader under it, for the whole sync timeout (an epoch left open that long ended
+        a later one)."""
+        import time
+
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                return self._client.blocking_key_value_get(key, max(1, min(1000, left_ms)))
+            except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
+                if "DEADLINE_EXCEEDED" not in str(exc) or left_ms <= 1000:
+                    raise
+            if self.stop is not None and self.stop.is_set():
+                raise _ReaderStopped()
 
 
 def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: _Agreement, window: int):
@@ -574,7 +608,7 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
 _DONE = object()
 
 
-def _prefetched(iterable, depth: int):
+def _prefetched(iterable, depth: int, stop: Optional[threading.Event] = None):
     """Run `iterable` (host read + device put) in a thread, `depth` items ahead of the consumer.
 
     The thread starts now, not at the first `next()`: a loop that opens its data before building and compiling
@@ -586,7 +620,7 @@ def _prefetched(iterable, depth: int):
     same shard had started, ended that one instead, and the next eval got no batch at all.
     """
     buffer: "queue.Queue" = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+    stop = stop or threading.Event()
 
     def put(item) -> bool:
         """Hand `item` over, or give up once the consumer has gone (a blocking put would keep this thread, and
@@ -629,6 +663,10 @@ class _Prefetched:
         # Dropped without close() (a loop that breaks and forgets it): the thread still stops.
         weakref.finalize(self, stop.set)
 
+    @property
+    def finished(self) -> bool:
+        return self._done
+
     def __iter__(self):
         return self
 
@@ -649,3 +687,7 @@ class _Prefetched:
         self._stop.set()
         if self._producer is not threading.current_thread():
             self._producer.join(_PRODUCER_JOIN_S)
+        try:  # a thread still waiting in next() (a compile-ahead helper) gets the end instead of waiting forever
+            self._buffer.put_nowait(_DONE)
+        except queue.Full:
+            pass

@@ -233,6 +233,11 @@ def test_iter_jax_batches_reads_at_once_and_stops_when_dropped(ray_cluster):
 
     ids = [np.asarray(b["id"]) for b in rjt.iter_jax_batches(ray.data.range(64), batch_size=8, mesh=mesh)]
     assert sorted(np.concatenate(ids).tolist()) == list(range(64))
+    # Two passes over one Dataset at once (an eval mid-epoch, a zip) both run to the end: only a trainer shard's
+    # epochs, which Ray runs one at a time, end an earlier one (a review: the first gave 3 of 16 batches).
+    data = ray.data.range(64)
+    assert sum(1 for _ in zip(rjt.iter_jax_batches(data, batch_size=8, mesh=mesh),
+                              rjt.iter_jax_batches(data, batch_size=8, mesh=mesh))) == 8
 
     # A consumer that stops while the reader, done reading, waits to hand over the end of the data behind a full
     # buffer (an eval cut short by max_eval_steps): the reader goes too, instead of waiting forever.
@@ -701,3 +706,47 @@ def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, cap
         for name in _CONTROLLER_LOGGERS:
             for f in list(logging.getLogger(name).filters):
                 logging.getLogger(name).removeFilter(f)
+
+
+def test_a_reader_waiting_on_a_process_that_stopped_ends_when_its_consumer_does():
+    """Two processes whose evals stop at max_eval_steps can stop a window apart: this one's reader then waits in the
+    next round of the batch-count agreement for a process that will never join it. It waited for the whole sync
+    timeout (30 minutes), holding Ray's reader open that long, and close() stalled the loop 30 s (a review). The
+    agreement's key-value store is this process's stand-in for jax.distributed's, which needs a second process."""
+    import threading
+
+    from ray_jax_train import data as D
+
+    class KeyValueStore:
+        def __init__(self):
+            self.values = {}
+
+        def key_value_set(self, key, value):
+            self.values[key] = value
+
+        def key_value_delete(self, key):
+            self.values.pop(key, None)
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            deadline = time.monotonic() + timeout_ms / 1000
+            while time.monotonic() < deadline:
+                if key in self.values:
+                    return self.values[key]
+                time.sleep(0.01)
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+
+    store = KeyValueStore()
+    agreement = D._Agreement.__new__(D._Agreement)
+    agreement.__dict__.update(_client=store, _prefix="eval", _rank=0, _size=2, _timeout_ms=600_000, _round=0,
+                              _opened="", first_counts=None)
+    store.key_value_set("eval/0/1", "4")  # the other process's first window; it stops before its second
+    stop = threading.Event()
+    agreement.stop = stop
+    rows = ({"x": np.zeros((2, 1), np.float32)} for _ in range(100))
+    before = set(threading.enumerate())
+    batches = D._prefetched(D._synchronised(rows, 2, "pad", "valid", agreement, 4), 2, stop)
+    (reader,) = [t for t in set(threading.enumerate()) - before if t.name == "ray_jax_train-prefetch"]
+    assert len([next(batches) for _ in range(4)]) == 4
+    started = time.monotonic()
+    batches.close()
+    assert time.monotonic() - started < 5 and not reader.is_alive()
