@@ -5,7 +5,8 @@ with `max_failures=-1`.
 
 An exception class says it is such an error with the class attribute `retry_repeats_it = True`; the library's own
 (CheckpointMismatchError, NonFiniteLossError, NoLossTokensError, NoFullBatchError, TextDataError) do, and a
-custom loop's exceptions may too.
+custom loop's exceptions may too. The worker marks the error it raises when such an error is in its chain (as the
+`from` cause of another, say): the chain does not survive the trip to the controller, the mark does.
 """
 from __future__ import annotations
 
@@ -28,11 +29,32 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(error))
         yield error
-        stack.extend([getattr(error, "cause", None), error.__cause__, error.__context__])
+        stack.extend([getattr(error, "cause", None), error.__cause__, error.__context__,
+                      *(getattr(error, "worker_failures", None) or {}).values()])
 
 
 def repeats_on_retry(exc: BaseException) -> bool:
-    return any(getattr(type(error), "retry_repeats_it", False) for error in _causes(exc))
+    """Whether `exc`, an error in its chain, or a worker's error inside a failed run is one a retry repeats."""
+    return any(getattr(error, "retry_repeats_it", False) is True for error in _causes(exc))
+
+
+def marking_repeated_errors(train_func):
+    """`train_func` (a worker's loop), marking an error it raises that a retry would repeat."""
+    import functools
+
+    @functools.wraps(train_func)
+    def run(*args, **kwargs):
+        try:
+            return train_func(*args, **kwargs)
+        except BaseException as exc:
+            if repeats_on_retry(exc):
+                try:
+                    exc.retry_repeats_it = True  # pickled with the error, which its chain is not
+                except AttributeError:  # an exception class with __slots__: its own class may still say so
+                    pass
+            raise
+
+    return run
 
 
 class RetriesSkipRepeatedErrors(DefaultFailurePolicy):

@@ -153,6 +153,11 @@ class JaxTrainer(DataParallelTrainer):
 
         signal.signal(signal.SIGINT, note_then_abort)
 
+    def _get_train_func(self):
+        from ray_jax_train.retries import marking_repeated_errors
+
+        return marking_repeated_errors(super()._get_train_func())
+
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         from ray_jax_train.retries import RetriesSkipRepeatedErrors
 

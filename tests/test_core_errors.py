@@ -483,31 +483,50 @@ def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster, caplog)
     assert "skip_batches=3): the data holds only 1 global batches" in caplog.text
 
 
+class _MyDataIsWrong(ValueError):  # a custom loop's own error, marked (module level: pickled by name)
+    retry_repeats_it = True
+
+
 def test_retries_skip_errors_that_every_attempt_would_repeat():
     """Ray's own policy, decided on the errors as workers raise them: a checkpoint of another model (in a custom
     loop too), NaN, unreadable data end the run at the first attempt, even with max_failures=-1 (it restarted the
     group forever); a lost worker is still retried up to max_failures. The built-in loop's end-to-end case is
     test_lm_loop's no-loss-tokens test."""
+    import pickle
+
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from ray_jax_train.checkpoint import CheckpointMismatchError
-    from ray_jax_train.retries import RetriesSkipRepeatedErrors
-    from ray_jax_train.text.errors import MissingColumnError
-
-    class MyDataIsWrong(ValueError):
-        retry_repeats_it = True
+    from ray_jax_train.retries import RetriesSkipRepeatedErrors, marking_repeated_errors, repeats_on_retry
+    from ray_jax_train.text.errors import EmptyDatasetError, MissingColumnError
 
     def failed(*errors):
         return WorkerGroupError("failed", dict(enumerate(errors)))
 
+    def as_the_controller_gets_it(error):  # raised in the worker's loop, pickled on its way
+        def loop():
+            raise error
+
+        try:
+            marking_repeated_errors(loop)()
+        except BaseException as raised:  # noqa: BLE001
+            return pickle.loads(pickle.dumps(raised))
+
     lost = RuntimeError("The actor died unexpectedly before finishing this task.")
     wrapped = RuntimeError("reading the data failed")
     wrapped.__cause__ = MissingColumnError("no text column")
-    for repeated in (CheckpointMismatchError("shapes differ"), wrapped, MyDataIsWrong("bad"),
+    # The chain is lost on the way (a review: a wrapped error was retried); the worker's mark is not.
+    assert not repeats_on_retry(pickle.loads(pickle.dumps(wrapped)))
+    for repeated in (CheckpointMismatchError("shapes differ"), wrapped, _MyDataIsWrong("bad"),
                      rjt.NonFiniteLossError("nan"), rjt.NoFullBatchError("too few rows")):
         policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
-        assert policy.make_decision(failed(lost, repeated)) == FailureDecision.RAISE, repeated
+        decision = policy.make_decision(failed(lost, as_the_controller_gets_it(repeated)))
+        assert decision == FailureDecision.RAISE, repeated
     policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=2))
-    assert [policy.make_decision(failed(lost)) for _ in range(3)] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
+    transient = as_the_controller_gets_it(EmptyDatasetError("no files found under ['/mnt/shared/data']"))
+    assert [policy.make_decision(failed(lost)), policy.make_decision(failed(transient)),
+            policy.make_decision(failed(lost))] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
+    # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
+    assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))

@@ -19,6 +19,8 @@ class MissingColumnError(TextDataError):
 class EmptyDatasetError(TextDataError):
     """The dataset (or the path it was read from) holds no rows."""
 
+    retry_repeats_it = False  # "no files found" may be a shared mount not up yet on a worker's node
+
 
 class SequenceTooLongError(TextDataError):
     """A document is longer than the model's position table and truncation is off."""
