@@ -269,9 +269,9 @@ def _check_storage_usable(path: str) -> None:
     """A local run.storage_path is made now, on the driver, before Ray starts: a file there, or a directory this user
     may not create, failed seconds later inside Ray naming neither the key nor the fix."""
     from ray_jax_train.run_config import ConfigError
-    from ray_jax_train.storage import is_uri
+    from ray_jax_train.storage import in_ray_package_cache, is_uri
 
-    if is_uri(path):
+    if is_uri(path) or in_ray_package_cache(path):  # a job's copy: refused or warned once Ray is up, unwritten
         return
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"run.storage_path: {path} is a file; runs are directories under it. Set run.storage_path "

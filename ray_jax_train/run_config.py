@@ -628,11 +628,12 @@ class _NoDuplicatesLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node):
         # YAML 1.1 reads 012 as octal 10: total_steps: 012 trained 10 steps.
         text = self.construct_scalar(node).replace("_", "")
-        if re.fullmatch(r"[-+]?0[0-7]+", text):
-            raise _OctalInt(f"{text} (line {node.start_mark.line + 1}) reads as the octal number "
-                            f"{super().construct_yaml_int(node)} in YAML; write it without the leading 0 (or "
-                            f"quoted, '{text}', for text)")
-        return super().construct_yaml_int(node)
+        value = super().construct_yaml_int(node)
+        if re.fullmatch(r"[-+]?0[0-7]+", text) and value != int(text, 10):  # 00 and 07 mean what they say
+            where = f" (line {node.start_mark.line + 1})" if node.start_mark.line else ""
+            raise _OctalInt(f"{text}{where} reads as the octal number {value} in YAML; write it without the "
+                            f"leading 0 (or quoted, '{text}', for text)")
+        return value
 
 
 _NoDuplicatesLoader.add_constructor("tag:yaml.org,2002:int", _NoDuplicatesLoader.construct_yaml_int)
@@ -682,8 +683,10 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
         resolve_path(parts, what="--set")
         try:
             value = yaml.load(raw, Loader=_NoDuplicatesLoader) if raw.strip() else None  # noqa: S506 (safe)
-        except (yaml.YAMLError, _DuplicateKey):
+        except yaml.YAMLError:
             value = raw
+        except _DuplicateKey as exc:  # a string setting would take the whole text as its value
+            raise ConfigError(f"--set {item!r}: key {exc} is given twice") from None
         except _OctalInt as exc:
             raise ConfigError(f"--set {item!r}: {exc}") from None
         if isinstance(value, dict) and any(v is None and re.fullmatch(r"[^:\s]+:\S+", str(k)) for k, v in value.items()):

@@ -320,9 +320,12 @@ def test_a_yaml_number_with_a_leading_zero_is_refused_not_read_as_octal(tmp_path
     path.write_text("training:\n  total_steps: 012\n  batch_size: 0x10\n")
     with pytest.raises(ConfigError, match=r"012 \(line 2\) reads as the octal number 10 in YAML"):
         read_file(str(path))
-    with pytest.raises(ConfigError, match=r"reads as the octal number 7 .*quoted, '007', for text"):
-        apply_overrides({}, ["run.name=007"])
-    assert apply_overrides({}, ["run.name='007'", "training.total_steps=0"]) == {
-        "run": {"name": "007"}, "training": {"total_steps": 0}}
+    with pytest.raises(ConfigError, match=r"'run.name=010': 010 reads as the octal number 8 .*quoted, '010', for "):
+        apply_overrides({}, ["run.name=010"])
+    # Where octal and decimal agree (00, 07) nothing is refused (a review); a key given twice in --set is.
+    assert apply_overrides({}, ["run.name='010'", "training.total_steps=07", "training.eval_steps=00"]) == {
+        "run": {"name": "010"}, "training": {"total_steps": 7, "eval_steps": 0}}
+    with pytest.raises(ConfigError, match=r"key 'dp' .* is given twice"):
+        apply_overrides({}, ["scaling.mesh={dp: 2, dp: 4}"])
     path.write_text("training:\n  total_steps: 12\n  batch_size: 0x10\n")
     assert read_file(str(path))["training"] == {"total_steps": 12, "batch_size": 16}

@@ -162,7 +162,7 @@ class Progress:
             parts.append(f"{metrics['tokens_per_s']:.0f} tokens/s")
         if self.first is not None and self.step > self.first[1]:
             per_step = (time.perf_counter() - self.first[0]) / (self.step - self.first[1])
-            parts.append(f"{_duration(per_step * (self.step - self.first[1]))} since step 1, "
+            parts.append(f"{_duration(per_step * (self.step - self.first[1]))} training, "
                          f"{_duration(per_step * max(self.total - self.step, 0))} left")
         return f"[train{f' {self.label}' if self.label else ''}] " + ", ".join(parts)
 

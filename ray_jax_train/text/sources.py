@@ -67,7 +67,7 @@ def plan_reads(paths: Sequence[str], format: str | None = None) -> list[tuple[st
         return [(format, found)]
     # Each path is of one format, so a stray notes.txt beside the .jsonl files of a directory is refused rather
     # than trained on; paths of different formats (a .jsonl file and a Parquet directory) are read each with its
-    # own reader and joined in the order given.
+    # own reader and joined (in order, Ray's union takes their blocks in turn: the same order every run).
     groups: list[tuple[str, list[tuple[str, int]]]] = []
     for path, under in listed:
         formats = {_format_of(f) for f, _ in under} - {None}
