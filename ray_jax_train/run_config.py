@@ -1081,21 +1081,27 @@ def check_hf_init_tokenizer(config: ExperimentConfig) -> None:
 
 def init_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
     """The tokenizer the starting weights (`model.init_from`) were trained with: a Hugging Face directory's own, or
-    the one a checkpoint's run kept (`<run>/model/`, else the `<run>/tokenizer/` it trained). None when there is
-    none, or the checkpoint is at a URI."""
+    the one a checkpoint's run kept (`<run>/model/`, else the `<run>/tokenizer/` it trained), at a local path or a
+    URI. None when there is none."""
+    from ray_jax_train.storage import exists
+
     hf_dir = config.hf_init_dir()
     if hf_dir is not None:
         found = any(os.path.isfile(os.path.join(hf_dir, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         return hf_dir if found else None
     path = config.model.init_from
-    if path is None or is_uri(path) or not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")):
+    if path is None or not exists(join(path, "_CHECKPOINT_METADATA")):
         return None
     from ray_jax_train.lm.export import MODEL_FILES
 
-    run_dir = os.path.dirname(os.path.abspath(path).rstrip(os.sep))
+    if is_uri(path):
+        where, sep, query = path.partition("?")
+        run_dir = where.rstrip("/").rsplit("/", 1)[0] + sep + query
+    else:
+        run_dir = os.path.dirname(os.path.abspath(path).rstrip(os.sep))
     for name in (MODEL_FILES, TOKENIZER_DIR):
-        if os.path.isfile(os.path.join(run_dir, name, "tokenizer.json")):
-            return os.path.join(run_dir, name)
+        if exists(join(run_dir, name, "tokenizer.json")):
+            return join(run_dir, name)
     return None
 
 
@@ -1195,6 +1201,7 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
     if config.tokenizer.path is not None:
         return ensure_pad_token(load_tokenizer(config.tokenizer.path))
+    check_hf_init_tokenizer(config)  # parsing checked a local model.init_from; a URI is looked up here
     init_dir = init_tokenizer_dir(config)
     if init_dir is not None:
         return ensure_pad_token(load_tokenizer(init_dir))  # the weights' own ids: a tokenizer trained now has others

@@ -145,3 +145,14 @@ def test_starting_weights_at_a_uri_are_looked_up_on_the_driver(s3_endpoint):
         weights_dir_kind(f"{uri}/run{query}")
     with pytest.raises(FileNotFoundError, match=r"Hugging Face model directory in remote storage.*copy it"):
         weights_dir_kind(f"{uri}/hf{query}")
+    # Its run's tokenizer comes with it, as from a local checkpoint; none there and no tokenizer.path is refused (a
+    # tokenizer trained now would give the weights' ids other meanings: a review found that silent for URIs).
+    from ray_jax_train.run_config import ConfigError, check_hf_init_tokenizer, init_tokenizer_dir, load_config
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny_llama.yaml")
+    config = load_config(tiny, [f"model.init_from={uri}/run/checkpoint_000000004_bb{query}"])
+    with pytest.raises(ConfigError, match="kept no tokenizer beside it"):
+        check_hf_init_tokenizer(config)
+    with bucket.open_output_stream(f"{BUCKET}/weights/run/model/tokenizer.json") as f:
+        f.write(b"{}")
+    assert init_tokenizer_dir(config) == f"{uri}/run/model{query}"
