@@ -61,8 +61,7 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
     """Ray's policy, except that a worker group error a retry would repeat is raised at once."""
 
     def make_decision(self, training_failed_error) -> FailureDecision:
-        if isinstance(training_failed_error, WorkerGroupError) and any(
-                repeats_on_retry(failure) for failure in training_failed_error.worker_failures.values()):
+        if isinstance(training_failed_error, WorkerGroupError) and repeats_on_retry(training_failed_error):
             logger.warning("Not retrying: the workers' error would repeat on every attempt (FailureConfig's "
                            "retries are for lost workers and storage); the run ends with it.")
             return FailureDecision.RAISE
