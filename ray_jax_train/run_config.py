@@ -1061,11 +1061,15 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, wa
         raise ConfigError(f"model.init_from: {exc}") from None
 
 
-def check_hf_init_tokenizer(config: ExperimentConfig) -> None:
+def check_hf_init_tokenizer(config: ExperimentConfig) -> Optional[str]:
     """Starting weights need the tokenizer they were trained with: one trained at run time has the same size but
-    other ids (the fine-tune would start from scrambled embeddings, and no shape check can see it)."""
-    if config.tokenizer.path is not None or config.model.init_from is None or init_tokenizer_dir(config) is not None:
-        return
+    other ids (the fine-tune would start from scrambled embeddings, and no shape check can see it). Returns that
+    tokenizer's directory (None without `model.init_from`, or with a `tokenizer.path`)."""
+    if config.tokenizer.path is not None or config.model.init_from is None:
+        return None
+    found = init_tokenizer_dir(config)
+    if found is not None:
+        return found
     hf_dir = config.hf_init_dir()
     if hf_dir is not None:
         raise ConfigError(
@@ -1200,11 +1204,10 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
     from ray_jax_train.text import ensure_pad_token, load_tokenizer, train_tokenizer
 
     if config.tokenizer.path is not None:
-        return ensure_pad_token(load_tokenizer(config.tokenizer.path))
-    check_hf_init_tokenizer(config)  # parsing checked a local model.init_from; a URI is looked up here
-    init_dir = init_tokenizer_dir(config)
-    if init_dir is not None:
-        return ensure_pad_token(load_tokenizer(init_dir))  # the weights' own ids: a tokenizer trained now has others
+        return _ready_tokenizer(config, config.tokenizer.path, "tokenizer.path")
+    init_dir = check_hf_init_tokenizer(config)  # parsing checked a local model.init_from; a URI is looked up here
+    if init_dir is not None:  # the weights' own ids: a tokenizer trained now has others
+        return _ready_tokenizer(config, init_dir, "model.init_from's tokenizer")
     if reuse and exists(join(directory, "tokenizer.json")):
         recorded = _recorded_request(directory) or {}
         wanted = config.tokenizer.vocab_size
@@ -1225,6 +1228,21 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
         with open(os.path.join(local, TOKENIZER_REQUEST), "w") as f:
             json.dump(_tokenizer_request(config), f, indent=2)
     return ensure_pad_token(tokenizer)
+
+
+def _ready_tokenizer(config: ExperimentConfig, directory: str, what: str):
+    """A saved tokenizer; a `tokenizer.vocab_size` the config sets beside it is said to be ignored (it sizes only a
+    tokenizer trained at run time, and was dropped without a word)."""
+    from ray_jax_train.text import ensure_pad_token, load_tokenizer
+
+    tokenizer = ensure_pad_token(load_tokenizer(directory))
+    wanted = config.tokenizer.vocab_size
+    if "vocab_size" in config.tokenizer.model_fields_set and wanted != len(tokenizer):
+        logging.getLogger(__name__).warning(
+            "tokenizer.vocab_size=%d is ignored: %s (%s) is a ready tokenizer of %d tokens, and vocab_size only sizes "
+            "one trained at run time (tokenizer.path: null). Remove tokenizer.vocab_size.",
+            wanted, what, directory, len(tokenizer))
+    return tokenizer
 
 
 def _datasets(config: ExperimentConfig):

@@ -570,7 +570,7 @@ def test_entry_points(tmp_path):
     assert done.returncode == 2 and "x: unknown key" in done.stderr
 
 
-def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypatch):
+def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypatch, caplog):
     from ray_jax_train.run_config import ConfigError, ensure_tokenizer, parse_config, read_file
 
     # A section given twice was last-wins: its first half vanished with "valid".
@@ -629,6 +629,15 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
     assert len(ensure_tokenizer(bigger, other, reuse=True)) > 300
     assert trained_tokenizer_dir(bigger, str(tmp_path / "tok")) == other
     assert len(ensure_tokenizer(first, str(tmp_path / "tok"), reuse=True)) <= 300
+    # A tokenizer.vocab_size beside a ready tokenizer sizes nothing: said, not dropped without a word.
+    ready = parse_config({"tokenizer": {"path": str(tmp_path / "tok"), "vocab_size": 4000}})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ray_jax_train.run_config"):
+        assert len(ensure_tokenizer(ready, str(tmp_path / "unused"))) == len(saved)
+        ensure_tokenizer(parse_config({"tokenizer": {"path": str(tmp_path / "tok")}}), str(tmp_path / "unused"))
+    said = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
+    assert len(said) == 1 and "tokenizer.vocab_size=4000 is ignored" in said[0], said
+    assert not (tmp_path / "unused").exists()
 
 
 def test_validate_runs_the_checks_fit_runs_and_refuses_settings_that_would_be_ignored(tmp_path):
