@@ -219,7 +219,23 @@ def _resume_hint(args, name: str) -> str:
     import shlex
 
     sets = [s for s in args.overrides if not s.startswith("run.name=")] + [f"run.name={name}"]
-    return "ray-jax-train fit " + shlex.quote(args.config) + "".join(f" --set {shlex.quote(s)}" for s in sets)
+    return _as_submitted("ray-jax-train fit " + shlex.quote(args.config)
+                         + "".join(f" --set {shlex.quote(s)}" for s in sets))
+
+
+def _as_submitted(command: str) -> str:
+    """`command` as a Ray job submits it, when this one runs as a job's entrypoint: run on the head node by hand, it
+    would start a private local Ray instead of using the cluster (and after `ray job stop` the user is at their
+    laptop, where the job was submitted from). The job's working directory is a copy of the submitter's, so its
+    relative paths hold from the directory the job was submitted from."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return command
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        runtime_env = {}
+    return "ray job submit" + (" --working-dir ." if runtime_env.get("working_dir") else "") + " -- " + command
 
 
 def _resume_point(run_dir: str) -> str:
@@ -500,8 +516,8 @@ def cmd_tune(args) -> int:
     _connect(config, args.address, args.verbose)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
     started = time.time()
-    command = ("ray-jax-train tune " + shlex.quote(args.config)
-               + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
+    command = _as_submitted("ray-jax-train tune " + shlex.quote(args.config)
+                            + "".join(f" --set {shlex.quote(s)}" for s in args.overrides) + " --resume")
     said = {"resume": False}
     try:
         with _sigterm_interrupts(command) as said:

@@ -745,7 +745,7 @@ def test_set_reaches_a_dotted_search_key():
     assert config.tune.param_space["training.learning_rate"] == {"choice": [0.001, 0.003]}
 
 
-def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back(tmp_path, capsys):
+def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back(tmp_path, capsys, monkeypatch):
     import shlex
     from types import SimpleNamespace
 
@@ -762,6 +762,13 @@ def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back
     assert code == 2 and "cannot be made here (Not a directory)" in err, err
     hint = _resume_hint(SimpleNamespace(config="my config.yaml", overrides=["scaling.mesh={dp: 2}"]), "exp 2")
     assert shlex.split(hint)[2:] == ["my config.yaml", "--set", "scaling.mesh={dp: 2}", "--set", "run.name=exp 2"]
+    # As a job's entrypoint (Ray sets this variable there) the resume is a job too: run by hand on the head, the
+    # command would start a private Ray beside the cluster's.
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_1.zip"}}))
+    hint = _resume_hint(SimpleNamespace(config="c.yaml", overrides=[]), "exp")
+    assert hint == "ray job submit --working-dir . -- ray-jax-train fit c.yaml --set run.name=exp", hint
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {}}))
+    assert _resume_hint(SimpleNamespace(config="c.yaml", overrides=[]), "exp").startswith("ray job submit -- ray-jax")
 
 
 def test_tune_resume_without_a_stable_search_name_exits_2_before_ray_starts(tmp_path, capsys):
