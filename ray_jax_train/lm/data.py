@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ray_jax_train.lm.arguments import TrainingArguments
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +282,7 @@ def _in_order(dataset):
     return dataset.materialize()
 
 
-def _flat(column) -> "np.ndarray":
+def _flat(column) -> np.ndarray:
     """A column's values in one 1-D array: a 2-D tensor column, or Ray's object array of per-row lists (rows read
     from JSON, Parquet or Python lists)."""
     import numpy as np
