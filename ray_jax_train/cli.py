@@ -281,6 +281,33 @@ def _check_storage_not_in_job_copy(path: str) -> None:
         "that every node sees: --set run.storage_path=/mnt/shared/runs.", path)
 
 
+def _refuse_starting_over_beside_checkpoints(config) -> None:
+    """`training.resume_if_possible: false` under a run name that holds checkpoints started over beside them: it
+    trained a new tokenizer over the run's (same size, other ids) and rewrote its model files, so exporting an old
+    checkpoint paired its weights with the wrong tokenizer, without a word (a deletion-safety review). Refused
+    before Ray starts, naming the ways out."""
+    from ray_jax_train.lm.export import _resolve
+    from ray_jax_train.run_config import ConfigError
+    from ray_jax_train.storage import join
+
+    if config.training.get("resume_if_possible", True) or not config.run.name:
+        return
+    run_dir = join(config.with_absolute_paths().run.storage_path, config.run.name)
+    export_log = logging.getLogger("ray_jax_train.lm.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice: nothing is exported here
+    try:
+        checkpoint, _ = _resolve(run_dir)
+    except Exception:  # noqa: BLE001 - no checkpoint there (or none readable): nothing to keep apart
+        return
+    finally:
+        export_log.setLevel(level)
+    raise ConfigError(
+        f"training.resume_if_possible: false would start run {config.run.name!r} over in {run_dir}, beside the "
+        f"checkpoints it holds (the latest: {checkpoint}), and replace the tokenizer and model files they need. Give "
+        f"the new run another run.name, or move {run_dir} away first; or leave resume_if_possible on to resume it.")
+
+
 def _check_storage_usable(path: str) -> None:
     """A local run.storage_path is made now, on the driver, before Ray starts: a file there, or a directory this user
     may not create, failed seconds later inside Ray naming neither the key nor the fix."""
@@ -325,6 +352,7 @@ def cmd_fit(args) -> int:
     config = load_config(args.config, args.overrides)
     check_data_columns(config)  # before Ray starts
     _check_storage_usable(config.with_absolute_paths().run.storage_path)
+    _refuse_starting_over_beside_checkpoints(config)
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)
@@ -559,7 +587,7 @@ def _say_it_resumes(info) -> None:
     # "latest": the workers check it, and fall back to the one before if it does not restore (a chaos review).
     where = f"its latest checkpoint, at step {at}" if at is not None else info["resumes_from"]
     print(f"[ray-jax-train] run {info['name']} exists: it resumes from {where} (a new run needs another "
-          "run.name, or training.resume_if_possible false to start it over)", flush=True)
+          "run.name)", flush=True)
     if at is not None and at >= total:
         print(f"ray-jax-train: warning: run {info['name']} is at step {at} already, at or past training.total_steps="
               f"{total}: nothing is left to train. Raise training.total_steps to train it on, or give a new "
