@@ -197,7 +197,8 @@ def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
         return None  # storage out of reach: Ray's start says so
     if problem is None:
         return None
-    aside = f"{snapshot}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    # Joined, not appended: a URI's query (an S3 endpoint_override) stays at its end, or the move went nowhere.
+    aside = storage.join(root, name, f"{RAY_SNAPSHOT}.broken-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
     fs, path = storage.filesystem(snapshot)
     try:
         fs.move(path, storage.filesystem(aside)[1])

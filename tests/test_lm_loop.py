@@ -356,7 +356,7 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
 
 
 def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position(ray_cluster, tmp_path):
-    """With no checkpoint registered (Ray's snapshot lost, or a stop between a save and its registration) the loop
+    """With no checkpoint registered (Ray's record set aside, or a stop between a save and its registration) the loop
     adopts the newest finished one from storage: it had opened its data at the start already, so the adopted step-2
     state trained steps 3-4 on the batches of steps 1-2 (a review: 30 of 40 losses off, exit 0)."""
     import shutil
@@ -380,11 +380,16 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
 
     first = fit(tmp_path / "first")
     run_dir = tmp_path / "storage" / "adopt"
-    (run_dir / "checkpoint_manager_snapshot.json").unlink()
+    # Ray's record now names a checkpoint that is gone: set aside (Ray would refuse the run), so Ray knows none.
     for name in os.listdir(run_dir):
         if name.startswith("checkpoint_000000004"):
             shutil.rmtree(run_dir / name)
+    kept = [name for name in os.listdir(run_dir) if name.startswith("checkpoint_000000002")]
     fit(tmp_path / "again")
+    assert [n for n in os.listdir(run_dir) if n.startswith("checkpoint_manager_snapshot.json.broken-")]
+    # The step-2 checkpoint Ray had registered outlives the new step-4 save: once adopted, it was deleted as
+    # "never registered, now superseded" (a deletion-safety review: the best-scoring one with it).
+    assert kept and all((run_dir / name).exists() for name in kept), os.listdir(run_dir)
     assert sorted(p.name for p in (tmp_path / "again").glob("resumed_params_*.npz")) == ["resumed_params_2.npz"]
     for step in (3, 4):  # the batches the first run trained these steps on, so the same final params
         a, b = (dict(np.load(tmp_path / run / f"batch_{step:06d}.npz")) for run in ("first", "again"))

@@ -240,6 +240,19 @@ def _checkpoints_in(loc: _Location) -> List[str]:
     return sorted(n for n in names if all(_exists(loc.child(n), f) for f in _finished_marks(loc)))
 
 
+def _record_set_aside(run: _Location) -> bool:
+    """Whether Ray's record of this run's checkpoints was set aside (unreadable, or naming one that is gone)."""
+    import pyarrow.fs as pafs
+
+    from ray_jax_train.trainer import RAY_SNAPSHOT
+
+    try:
+        entries = run.filesystem.get_file_info(pafs.FileSelector(run.fs_path, allow_not_found=True))
+    except Exception:
+        return True  # unknown: keep the checkpoints
+    return any(e.base_name.startswith(RAY_SNAPSHOT + ".broken-") for e in entries)
+
+
 def _step_of(loc: _Location) -> int:
     """The step in one of our checkpoints' names; -1 for any other name."""
     step = checkpoint_step(loc.fs_path)
@@ -269,16 +282,25 @@ def finished_after(run: _Location, latest: Optional[_Location]) -> List[_Locatio
         loc = run.child(name)
         if _step_of(loc) <= step:
             break
+        meta = _complete_meta(loc)
         try:
-            meta = _read_json(loc, META_FILE)
-            complete = meta.get("format") == FORMAT and _exists(loc, f"{STATE_ITEM}/_METADATA") and (
-                meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
-            complete = complete and (since is None or float(meta.get("time", 0)) > since)
-        except Exception:
-            complete = False
-        if complete:
-            found.append(loc)
+            if meta is not None and (since is None or float(meta.get("time", 0)) > since):
+                found.append(loc)
+        except (TypeError, ValueError):
+            pass
     return found
+
+
+def _complete_meta(loc: _Location) -> Optional[Dict[str, Any]]:
+    """The metadata of one of our checkpoints when every file a restore needs is there (checksums too, when the
+    save recorded them); None for a save cut short or a directory that is not ours."""
+    try:
+        meta = _read_json(loc, META_FILE)
+        complete = meta.get("format") == FORMAT and _exists(loc, f"{STATE_ITEM}/_METADATA") and (
+            meta.get("checksums") != CHECKSUMS_FILE or _exists(loc, CHECKSUMS_FILE))
+    except Exception:
+        return None
+    return meta if complete else None
 
 
 def _finished_marks(loc: _Location) -> Tuple[str, ...]:
@@ -1143,7 +1165,11 @@ class JaxCheckpointer:
         # Only with Ray's list in hand: without it every registered checkpoint would look unregistered.
         adopted = []
         if cleanup and reported is not None:
-            adopted = self._adopted = self._finished_unregistered(known)
+            adopted = self._finished_unregistered(known)
+            # With Ray's record set aside (trainer.set_aside_a_broken_checkpoint_snapshot) Ray knows none, and the
+            # complete checkpoints are ones it had registered, the best-scoring among them: restored from, never
+            # deleted as superseded (they were, every one but the newest: a deletion-safety review).
+            self._adopted = adopted if known or not _record_set_aside(self.location) else []
             if _sync.process_index() == 0:
                 self._remove_orphans(known + adopted)
         candidates = [] if latest is None else [_location_of(latest)]
@@ -1216,6 +1242,12 @@ class JaxCheckpointer:
             base = info.base_name
             stale_tmp = TMP_SUFFIX in base and _NAME_RE.match(base.split(TMP_SUFFIX)[0])
             orphan = _NAME_RE.match(base) and base not in keep_names
+            if orphan and _complete_meta(root.child(base)) is not None:
+                # Complete, older than Ray's latest, and not Ray's: one Ray had registered before its record was
+                # set aside, say. Only saves cut short are ours to delete; a whole checkpoint may be someone's best.
+                logger.info("Keeping %s: a complete checkpoint that Ray does not track (checkpoints_to_keep does "
+                            "not apply to it); delete it by hand if it is not wanted.", info.path)
+                continue
             if stale_tmp or orphan:
                 logger.info("Removing %s (%s).", info.path, "unfinished save" if stale_tmp else "never registered")
                 try:
