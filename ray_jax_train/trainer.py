@@ -127,18 +127,32 @@ class JaxTrainer(DataParallelTrainer):
         set_aside_a_broken_checkpoint_snapshot(self.run_config)
         self._interrupted = False
         self._controller = None
-        try:
-            with _fast_report_polling(), _cleaner_finds_the_dashboard():
-                result = super().fit()
-        except (Exception, SystemExit) as exc:
-            if self._interrupted:
-                raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run") from exc
-            raise
-        finally:
-            controller, self._controller = self._controller, None
+        with _sigint_handler_restored():
+            try:
+                with _fast_report_polling(), _cleaner_finds_the_dashboard():
+                    result = super().fit()
+            except KeyboardInterrupt:
+                if not self._interrupted:  # raised past Ray's SIGINT handler (a timer's handler, say): the run
+                    self._abort(self._controller)  # trained on to its end in the background, its actors held
+                raise
+            except (Exception, SystemExit) as exc:
+                if self._interrupted:
+                    raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run") from exc
+                raise
+            finally:
+                controller, self._controller = self._controller, None
         if self._interrupted:
             raise KeyboardInterrupt("training interrupted (SIGINT); Ray aborted the run")
         return _with_latest_metrics(result, controller)
+
+    @staticmethod
+    def _abort(controller) -> None:
+        if controller is None:
+            return
+        try:
+            ray.get(controller.abort.remote(), timeout=120)
+        except Exception as exc:  # noqa: BLE001 - gone already, or stuck: the interrupt is what the caller sees
+            logger.warning("Could not abort the interrupted run's controller: %s", exc)
 
     def _register_sigint_handler(self, controller):
         import signal
@@ -170,6 +184,25 @@ class JaxTrainer(DataParallelTrainer):
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+@contextlib.contextmanager
+def _sigint_handler_restored():
+    """The SIGINT handler as it was before fit(): Ray's (which aborts the run, then calls sys.exit(0) at its third
+    Ctrl-C) stayed installed after fit() returned, so in a notebook the next Ctrl-C interrupted nothing and the ones
+    after raised SystemExit (a notebook review)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Ray installs none off the main thread
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: installed outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
 
 
 def set_aside_a_broken_checkpoint_snapshot(run_config) -> Optional[str]:
@@ -475,8 +508,38 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
         ray.init(address=address, **kwargs)
         return True
     _warn_if_ray_start_cluster_runs(kwargs.get("_temp_dir"))
-    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), **with_named_dashboard(kwargs))
+    _start_where_it_lasts(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+                          **with_named_dashboard(kwargs))
     return False
+
+
+def _start_where_it_lasts(**init_kwargs) -> None:
+    """`ray.init` of a private Ray, from a thread that lives as long as this process. Ray's node processes die with
+    the thread that forked them (PR_SET_PDEATHSIG is per thread): a first fit() in a thread of the user's lost Ray
+    when that thread ended, and the process a minute later (a notebook review)."""
+    import threading
+
+    import ray
+
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**init_kwargs)
+        return
+    started, failure = threading.Event(), []
+
+    def keep():
+        try:
+            ray.init(**init_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            failure.append(exc)
+            return
+        finally:
+            started.set()
+        threading.Event().wait()  # never set: the thread, and with it Ray's node processes, last until exit
+
+    threading.Thread(target=keep, name="ray-jax-train-starts-ray", daemon=True).start()
+    started.wait()
+    if failure:
+        raise failure[0]
 
 
 def with_named_dashboard(init_kwargs: Dict[str, Any]) -> Dict[str, Any]:

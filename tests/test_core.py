@@ -750,3 +750,73 @@ def test_a_reader_waiting_on_a_process_that_stopped_ends_when_its_consumer_does(
     started = time.monotonic()
     batches.close()
     assert time.monotonic() - started < 5 and not reader.is_alive()
+
+
+_NOTEBOOK_SESSION = r'''
+import os, signal, sys, threading, time
+import ray
+import ray_jax_train as rjt
+from ray.train import RunConfig, ScalingConfig
+
+storage, progress = sys.argv[1], os.path.join(sys.argv[1], "progress")
+
+def loop(config):
+    import time
+    import ray.train
+    for i in range(1000):
+        with open(config["progress"], "w") as f:
+            f.write(str(i))
+        ray.train.report({"i": i})
+        time.sleep(0.1)
+
+# A first fit() from a thread of the user's starts Ray there; Linux ended Ray's node processes with that thread.
+starter = threading.Thread(target=rjt.init_ray, kwargs={"num_cpus": 2, "include_dashboard": False})
+starter.start()
+starter.join()
+time.sleep(3)
+assert ray.get(ray.remote(lambda: 7).remote(), timeout=60) == 7
+print("ray outlived the thread that started it", flush=True)
+
+# A KeyboardInterrupt raised past Ray's SIGINT handler (a timer's handler: a notebook cell's time limit).
+def timer(signum, frame):
+    raise KeyboardInterrupt("the cell's time is up")
+
+def interrupt_once_training():
+    while not (os.path.exists(progress) and open(progress).read().strip() not in ("", "0", "1", "2")):
+        time.sleep(0.1)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
+signal.signal(signal.SIGALRM, timer)
+before = signal.getsignal(signal.SIGINT)
+threading.Thread(target=interrupt_once_training, daemon=True).start()
+trainer = rjt.JaxTrainer(loop, train_loop_config={"progress": progress}, scaling_config=ScalingConfig(num_workers=1),
+                         run_config=RunConfig(name="cell", storage_path=storage))
+try:
+    trainer.fit()
+    sys.exit("fit() returned: no interrupt")
+except KeyboardInterrupt:
+    pass
+assert signal.getsignal(signal.SIGINT) is before, signal.getsignal(signal.SIGINT)  # Ray's stayed after fit()
+time.sleep(3)
+stopped_at = int(open(progress).read())
+time.sleep(3)
+assert int(open(progress).read()) == stopped_at, "the interrupted run trained on"
+print("the run was aborted at", stopped_at, flush=True)
+'''
+
+
+def test_a_notebook_s_fit_from_a_thread_or_cut_by_a_timer_leaves_ray_and_ctrl_c_working(tmp_path):
+    """A notebook review: Ray started by a first fit() in a thread died with that thread (and the kernel a minute
+    later); a KeyboardInterrupt not sent as SIGINT left the run training in the background; Ray's SIGINT handler
+    outlived fit(), so later Ctrl-Cs interrupted nothing and then raised SystemExit. Its own private Ray."""
+    import subprocess
+
+    script = tmp_path / "session.py"
+    script.write_text(_NOTEBOOK_SESSION)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "storage")], env=env, capture_output=True,
+                          text=True, timeout=400, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    assert "ray outlived the thread that started it" in out and "the run was aborted at" in out, out[-5000:]
