@@ -31,8 +31,9 @@ def _files_under(path: str) -> list[tuple[str, int]]:
     if not storage.is_uri(path):
         path = os.path.expanduser(path)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"text source {path!r} does not exist (in-memory texts: pass "
-                                    f"a list of dicts such as [{{'text': ...}}])")
+            shown = repr(path) if len(path) <= 120 else repr(path[:100]) + f" ... ({len(path)} characters)"
+            raise FileNotFoundError(f"text source {shown} does not exist (strings are read as file paths; "
+                                    f"in-memory texts: pass a list of dicts such as [{{'text': ...}}])")
         if not os.path.isdir(path):
             return [(path, os.path.getsize(path))]
         # os.walk, not a recursive listing: it does not follow directory links, so `latest -> v2` beside `v2/`
