@@ -666,6 +666,7 @@ def abstract_state(state, shardings=None):
 
 
 _restore_called_in_process = False  # by any checkpointer: a loop may restore through another than it saves with
+_saved_in_process = False  # by any checkpointer: its save may be in flight when another one restores
 
 
 class _OrbaxInfoFilter(logging.Filter):
@@ -973,7 +974,8 @@ class JaxCheckpointer:
             # Only a save orbax took is in flight: one it refused, left pending, made every later save, wait and
             # close fail, and wrote its checksums over a checkpoint already there under its name.
             self._pending = pending
-        self._last_saved_step = step
+        global _saved_in_process
+        self._last_saved_step, _saved_in_process = step, True
         ray.train.report(
             metrics,
             checkpoint=Checkpoint(path=location.fs_path, filesystem=location.filesystem),
@@ -1159,7 +1161,9 @@ class JaxCheckpointer:
         latest = ray.train.get_checkpoint()
         # Clean up only before this checkpointer's first save: later (a mid-run rollback) a save of its own may
         # still be on its way to Ray, and Ray's list, cut short by its timeout, would not show it.
-        cleanup = cleanup and self._pending is None and self._last_saved_step is None
+        # In this process at all: a rollback may restore through another checkpointer than the one that saves, and
+        # Ray's list, cut at its timeout, misses that one's save in flight (a deletion-safety review).
+        cleanup = cleanup and self._pending is None and self._last_saved_step is None and not _saved_in_process
         reported = self._reported_locations() if (fallback or cleanup) else []
         known = (reported or []) + ([_location_of(latest)] if latest is not None else [])
         # Only with Ray's list in hand: without it every registered checkpoint would look unregistered.
