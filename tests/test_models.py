@@ -151,6 +151,11 @@ def test_export_round_trip_loads_in_transformers(hf_dirs, batch, tmp_path):
         for (p1, v1), (p2, v2) in zip(nnx.to_flat_state(nnx.state(ours)), nnx.to_flat_state(nnx.state(again))):
             assert p1 == p2
             np.testing.assert_array_equal(np.asarray(v1.get_value()), np.asarray(v2.get_value()))
+    # Saved again unsharded over the sharded export: its shards go, a file of the user's beside them stays.
+    (tmp_path / "qwen2" / "model_ema.safetensors").write_bytes(b"mine")
+    save_pretrained(from_pretrained(tmp_path / "qwen2"), tmp_path / "qwen2")
+    assert sorted(p.name for p in (tmp_path / "qwen2").glob("*.safetensors")) == ["model.safetensors",
+                                                                                "model_ema.safetensors"]
 
 
 def test_segment_ids_match_separate_documents():

@@ -265,7 +265,10 @@ def save_pretrained(model: LlamaForCausalLM, path: PathLike, *, dtype: Any = Non
     with open(path / "config.json", "w") as f:
         json.dump(hf_cfg, f, indent=2)
     # Stale shards from an earlier save with a different layout would be picked up by loaders.
-    for old in list(path.glob("model*.safetensors")) + [path / _INDEX]:
+    # Only the names a save writes: a user's model_ema.safetensors beside them is not ours to delete.
+    shards = [p for p in path.glob("model*.safetensors")
+              if p.name == "model.safetensors" or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", p.name)]
+    for old in shards + [path / _INDEX]:
         if old.exists():
             old.unlink()
 
