@@ -1222,6 +1222,21 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
             "(a new run.name or tune.name trains a new one).",
             directory)
         return ensure_pad_token(load_tokenizer(directory))
+    if reuse:
+        from ray_jax_train.lm.export import MODEL_FILES
+
+        # A run trained with a tokenizer it did not train (a Tune trial's: its search trained it) kept that one in
+        # <run>/model/ only; continued under its name, a new one was trained over it, the ids given other meanings.
+        if is_uri(directory):  # its query (an S3 endpoint) stays at the end
+            where, sep, query = directory.partition("?")
+            kept = join(where.rstrip("/").rsplit("/", 1)[0] + sep + query, MODEL_FILES)
+        else:
+            kept = os.path.join(os.path.dirname(directory.rstrip(os.sep)), MODEL_FILES)
+        if exists(join(kept, "tokenizer.json")):
+            logging.getLogger(__name__).warning(
+                "Reusing the tokenizer this run's checkpoints were trained with, %s (a new run.name trains a new one).",
+                kept)
+            return _ready_tokenizer(config, kept, "this run's tokenizer")
 
     with local_dir_for(directory) as local:  # run storage may be a URI: written locally, then copied there
         tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=local)

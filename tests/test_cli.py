@@ -629,6 +629,11 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
     assert len(ensure_tokenizer(bigger, other, reuse=True)) > 300
     assert trained_tokenizer_dir(bigger, str(tmp_path / "tok")) == other
     assert len(ensure_tokenizer(first, str(tmp_path / "tok"), reuse=True)) <= 300
+    # A Tune trial's run keeps the search's tokenizer in <run>/model/ only: continued under its name with fit, it
+    # trained a new one (same size, other ids) over it (an upgrade review).
+    saved.save_pretrained(str(tmp_path / "trial" / "model"))
+    reused = ensure_tokenizer(changed, str(tmp_path / "trial" / "tokenizer"), reuse=True)
+    assert reused(text)["input_ids"] == saved(text)["input_ids"] and not (tmp_path / "trial" / "tokenizer").exists()
     # A tokenizer.vocab_size beside a ready tokenizer sizes nothing: said, not dropped without a word.
     ready = parse_config({"tokenizer": {"path": str(tmp_path / "tok"), "vocab_size": 4000}})
     caplog.clear()
