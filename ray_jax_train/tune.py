@@ -177,7 +177,7 @@ def can_resume(config: ExperimentConfig, *, warn: bool = True) -> bool:
         logger.warning("%s has no %s (a search started by an older ray_jax_train): resuming it without checking "
                        "that its config is this one.", experiment_dir, SEARCH_CONFIG)
         return True
-    changed = _differences(started, _comparable(config))
+    changed = _differences(_as_now_read(started), _comparable(config))
     moved = [key for key, _, _ in changed if key.startswith(_MAY_CHANGE_ON_RESUME)]
     if moved and warn:
         logger.warning("Resuming the search in %s with other %s than it started with: the trials still to run use "
@@ -208,6 +208,16 @@ def _comparable(config: ExperimentConfig) -> Dict[str, Any]:
     if data["model"].get("scaling_index") is None:  # unset reads as a search saved before the key existed
         data["model"].pop("scaling_index", None)
     return json.loads(json.dumps(data))
+
+
+def _as_now_read(started: Dict[str, Any]) -> Dict[str, Any]:
+    """A search's saved config as this version reads it: a key added since the search began takes its default, which
+    is what the search ran with (an upgrade review: `training.quiet: None -> False` refused every older search, and
+    the saved file the refusal pointed to with it). As saved where this version cannot read it."""
+    try:
+        return _comparable(parse_config(copy.deepcopy(started)))
+    except Exception:  # noqa: BLE001 - a key since removed, say: the keys themselves are compared
+        return started
 
 
 def _differences(old: Dict[str, Any], new: Dict[str, Any], prefix: str = ""):

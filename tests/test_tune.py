@@ -325,6 +325,16 @@ def test_a_resume_may_move_to_another_cluster_but_not_change_the_search(tmp_path
     changed["training"]["weight_decay"] = 0.5
     with pytest.raises(ConfigError, match=r"started with another config \(training.weight_decay: "):
         can_resume(parse_config(changed))
+    # Saved by an older version, before keys with defaults were added: those keys are no change (an upgrade
+    # review: every older search was refused, and so was the saved config the refusal pointed to).
+    older = _comparable(started)
+    del older["training"]["quiet"], older["run"]["tensorboard"]
+    (search_dir / SEARCH_CONFIG).write_text(json.dumps(older))
+    assert can_resume(started)
+    older["training"]["weight_decay"] = 0.5
+    (search_dir / SEARCH_CONFIG).write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match=r"started with another config \(training.weight_decay: 0.5 -> "):
+        can_resume(started)
 
 
 def test_a_new_search_under_an_old_name_sets_the_old_one_aside(tmp_path):
