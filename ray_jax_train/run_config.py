@@ -186,6 +186,11 @@ def _directory_name(value: Optional[str]) -> Optional[str]:
     if value is not None and (value in ("", ".", "..") or "/" in value or "\\" in value):
         raise ValueError(f"{value!r} must name one directory under the storage path (no '/', not '.' or '..'); "
                          f"put the parent in run.storage_path")
+    from ray_jax_train.trainer import run_name_problem
+
+    problem = run_name_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 

@@ -92,6 +92,9 @@ class JaxTrainer(DataParallelTrainer):
         check_datasets(datasets)
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
         jax_config = _as_our_jax_config(jax_config)
+        problem = run_name_problem(getattr(run_config, "name", None))
+        if problem:
+            raise ValueError(f"RunConfig(name=...): {problem}")
         jax_config = resolve_jax_config(jax_config, scaling_config, run_config)
         if scaling_config.num_workers != 0:
             run_config = with_worker_allocator(jax_config, run_config)
@@ -184,6 +187,16 @@ class JaxTrainer(DataParallelTrainer):
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def run_name_problem(name: Optional[str]) -> Optional[str]:
+    """Why Ray Train cannot run under `name`, if it cannot: its controller tags its metrics with the run name, and
+    those take ASCII only. A name with an 'ä' failed every attempt with a stack trace per metric (an upgrade
+    review), after the driver had prepared the data."""
+    if name is None or name.isascii():
+        return None
+    return (f"{name!r} has characters other than ASCII, and Ray Train tags its metrics with the run name, which "
+            "must be ASCII; use ASCII letters, digits, '-', '_' or '.' (the storage path may be any)")
 
 
 @contextlib.contextmanager

@@ -130,6 +130,7 @@ BAD = [
     ({"scaling": {"placement_strategy": "ANY"}}, [], ["scaling.placement_strategy", "'STRICT_SPREAD'"]),
     ({"training": {"num_workers": 2}}, [], ["num_workers", "scaling.num_workers"]),
     ({"data": {"source": "missing.jsonl"}}, [], ["data.source", "missing.jsonl", "does not exist"]),
+    ({}, ["run.name=glob ä"], ["run.name: 'glob ä' has characters other than ASCII", "Ray Train tags its metrics"]),
     ({"model": {"hidden_size": 33}}, [], ["model", "hidden_size=33", "num_attention_heads"]),
     ({}, ["training.bach_size=4"], ["--set training.bach_size", "'batch_size'"]),
     ({}, ["run.name.first=4"], ["--set run.name.first", "no sub-keys"]),
