@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -216,8 +217,6 @@ def _check_address(address: str, where: str) -> None:
 
 def _resume_hint(args, name: str) -> str:
     """The command that resumes this run, quoted so it pastes back into a shell (`{dp: 2}`, names with spaces)."""
-    import shlex
-
     sets = [s for s in args.overrides if not s.startswith("run.name=")] + [f"run.name={name}"]
     return _as_submitted("ray-jax-train fit " + shlex.quote(args.config)
                          + "".join(f" --set {shlex.quote(s)}" for s in sets))
@@ -524,13 +523,11 @@ def _summary(args, result, info, started: float) -> None:
     if has_final:
         lines.append(f"final model: {os.path.join(run_dir, 'final_model')} (HF safetensors + tokenizer)")
     lines.append(f"resume:      {_resume_hint(args, info['name'])}")
-    lines.append(f"plot:        ray-jax-train plot {run_dir}")
+    lines.append(f"plot:        ray-jax-train plot {shlex.quote(run_dir)}")
     print("\n".join(lines), flush=True)
 
 
 def cmd_tune(args) -> int:
-    import shlex
-
     from ray_jax_train import tune
     from ray_jax_train.run_config import ConfigError, check_data_columns, load_config
 
@@ -655,7 +652,7 @@ def cmd_generate(args) -> int:
     from ray_jax_train.models import from_pretrained, generate_text, generation_eos_ids
     from ray_jax_train.text import load_tokenizer
 
-    model_dir = args.model_dir
+    model_dir, args.tokenizer = _local_dir(args.model_dir), args.tokenizer and _local_dir(args.tokenizer)
     if os.path.isfile(os.path.join(model_dir, "best.json")):  # a Tune search: its best trial's run
         with open(os.path.join(model_dir, "best.json")) as f:
             best = json.load(f)
@@ -684,6 +681,21 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _local_dir(path: str) -> str:
+    """A file:// URI as the local path it names (the run summary prints them for file:// storage); other URIs are
+    refused: generate reads the weights on this machine."""
+    from urllib.parse import unquote, urlparse
+
+    from ray_jax_train.storage import is_uri
+
+    if path.startswith("file://"):
+        return unquote(urlparse(path).path)
+    if is_uri(path):
+        raise UsageError(f"{path}: generate reads a directory on this machine; copy it here first (e.g. "
+                         "`ray-jax-train export` of a checkpoint at a URI writes a local directory)")
+    return path
+
+
 def _warn_if_trained_on(search_dir: str, best: dict) -> None:
     """The best trial's final_model/ is what `generate` uses, its recorded checkpoint what `export` uses: the same
     model, until the trial's run is trained on after the search (fit under its name). Said when they differ."""
@@ -698,7 +710,7 @@ def _warn_if_trained_on(search_dir: str, best: dict) -> None:
     if os.path.basename(latest.rstrip("/")) != os.path.basename(best["checkpoint"].rstrip("/")):
         print(f"ray-jax-train: warning: the best trial's run was trained on after the search: its final_model/ comes "
               f"after {os.path.basename(latest.rstrip('/'))}, the search's best is {best['checkpoint']}. To generate "
-              f"with the search's best, export it (`ray-jax-train export {search_dir} DIR`) and pass DIR.",
+              f"with the search's best, export it (`ray-jax-train export {shlex.quote(search_dir)} DIR`) and pass DIR.",
               file=sys.stderr)
 
 
@@ -739,6 +751,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:  # argparse: 0 for --help, 2 for usage errors
         return int(exc.code or 0)
     args.verbose = bool(getattr(args, "verbose", False))
+    for name in ("config", "run_dir", "output", "model_dir", "tokenizer", "source", "out_dir", "model_config"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):  # quoted, the shell left it (config keys expand it too)
+            setattr(args, name, os.path.expanduser(value))
     _quiet(args.verbose)
     from ray_jax_train.run_config import ConfigError
 

@@ -98,6 +98,8 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
     """Write a PNG of the run's curves (default `<run_dir>/curves.png`) and return its path."""
     from ray_jax_train.storage import is_uri, join
 
+    run_dir = run_dir if is_uri(run_dir) else os.path.expanduser(run_dir)
+    output = output if output is None or is_uri(output) else os.path.expanduser(output)
     text = _read_metrics_text(run_dir)
     fig = draw_curves(parse_records(text), resumed_steps(text), smoothing,
                       title or os.path.basename(os.path.normpath(run_dir)), where=run_dir)

@@ -297,6 +297,18 @@ class ExperimentConfig(_Section):
         if not self.scaling.worker_resources():
             raise ConfigError("scaling: each worker asks Ray for no resources at all (cpus_per_worker: 0, no GPU, no "
                               "resources_per_worker), which Ray cannot place; give cpus_per_worker > 0 or a resource")
+        local_uris = [(f"data.{w}", p) for w in ("source", "eval_source") for p in self.data.paths(w)]
+        for key, path in local_uris + [("run.storage_path", self.run.storage_path)]:
+            if path.startswith("file://"):  # parsed here (no network, unlike a bucket's): it failed a step later
+                from ray_jax_train.storage import exists, filesystem
+
+                try:
+                    filesystem(path)
+                    missing = key != "run.storage_path" and "*" not in path and not exists(path)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}: {exc}") from None
+                if missing:
+                    raise ConfigError(f"{key}: {path!r}: file does not exist")
         for which in ("source", "eval_source"):
             for path in self.data.paths(which):
                 if not is_uri(path) and not os.path.exists(path):  # a URI is looked up when the data is read

@@ -35,7 +35,13 @@ def filesystem(path: str):
     import pyarrow.fs as pafs
 
     if is_uri(path):
-        return pafs.FileSystem.from_uri(path)
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except ValueError as exc:  # pyarrow.ArrowInvalid: "Cannot parse URI", naming neither the cause nor the fix
+            if "parse URI" not in str(exc):
+                raise
+            raise ValueError(f"{path!r} is not a valid URI: a space, a non-ASCII letter or another reserved character "
+                             "must be percent-encoded in it (a space as %20); or give a local path") from None
     return pafs.LocalFileSystem(), absolute(path)
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -188,7 +189,7 @@ def can_resume(config: ExperimentConfig, *, warn: bool = True) -> bool:
         more = f" (and {len(changed) - 6} more)" if len(changed) > 6 else ""
         raise ConfigError(f"tune: the search in {experiment_dir} was started with another config ({shown}{more}), "
                           "and resuming it would mix the two searches' trials. Resume it with the config it started "
-                          f"with (saved as {saved}, which `ray-jax-train tune {saved} --resume` reads), or give the "
+                          f"with (saved as {saved}, which `ray-jax-train tune {shlex.quote(saved)} --resume` reads), or give the "
                           "new search another tune.name")
     return True
 

@@ -131,6 +131,8 @@ BAD = [
     ({"training": {"num_workers": 2}}, [], ["num_workers", "scaling.num_workers"]),
     ({"data": {"source": "missing.jsonl"}}, [], ["data.source", "missing.jsonl", "does not exist"]),
     ({}, ["run.name=glob ä"], ["run.name: 'glob ä' has characters other than ASCII", "Ray Train tags its metrics"]),
+    ({}, ["run.storage_path=file:///tmp/a dir"], ["run.storage_path: 'file:///tmp/a dir' is not a valid URI", "%20"]),
+    ({}, ["data.source=file:///nowhere/x.txt"], ["data.source: 'file:///nowhere/x.txt': file does not exist"]),
     ({"model": {"hidden_size": 33}}, [], ["model", "hidden_size=33", "num_attention_heads"]),
     ({}, ["training.bach_size=4"], ["--set training.bach_size", "'batch_size'"]),
     ({}, ["run.name.first=4"], ["--set run.name.first", "no sub-keys"]),

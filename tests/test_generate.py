@@ -197,6 +197,13 @@ def test_cli_generate_prints_the_completion(model_dir):
     # Without --max-new-tokens: 64, or what max_position_embeddings (64 here) leaves after the prompt.
     assert main(["generate", str(run), "--prompt", "Once upon a time"]) == 0
     assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2
+    # As the summary of a run with file:// storage names it, and with a quoted `~` (a review: both were refused).
+    assert main(["generate", (run / "final_model").as_uri(), "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    home = os.path.dirname(str(run))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", home)
+        assert main(["generate", "~/" + run.name, "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "s3://bucket/run", "--prompt", "Hi"]) == 2
 
 
 def test_generation_config_eos_ends_the_cli_completion(model_dir, tmp_path, capsys):
