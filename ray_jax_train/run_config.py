@@ -1060,7 +1060,7 @@ def check_hf_init_dir(config: ExperimentConfig, model_config: LlamaConfig, *, wa
             return
         try:
             check_checkpoint_fits(os.path.abspath(path), model_config, "Set the model section's sizes to those the "
-                                  "checkpoint's run trained (its config.yaml has them); the vocabulary is the "
+                                  "checkpoint's run trained (its config.yaml or model/config.json has them); the vocabulary is the "
                                   "tokenizer's: tokenizer.path must name the one that run used.",
                                   chosen=set(config.model_fields_set_values()),
                                   chosen_how="set them in the model section: {wanted}", warn=warn,
