@@ -523,6 +523,7 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
     _warn_if_ray_start_cluster_runs(kwargs.get("_temp_dir"))
     _start_where_it_lasts(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
                           **with_named_dashboard(kwargs))
+    _started_ray.add(ray.get_runtime_context().get_node_id())
     return False
 
 
@@ -629,6 +630,29 @@ def _needs_data_tasks(datasets) -> bool:
     return any(not isinstance(ds, MaterializedDataset) for ds in (datasets or {}).values())
 
 
+_started_ray = set()  # the head node of each private Ray that fit() started in this process (no autoscaler there)
+
+
+def _check_the_private_ray_has(scaling_config) -> None:
+    """A worker resource the Ray that fit() just started on this machine lacks (a GPU here, a lower-case 'cpu'): no
+    autoscaler will add it, and Ray retried placing the workers every minute for ever (a Python API review)."""
+    import ray
+
+    have = ray.cluster_resources()
+    want = {k: float(v) for k, v in scaling_config._resources_per_worker_not_none.items() if float(v) > 0}
+    short = {k: v for k, v in want.items() if have.get(k, 0.0) < v}
+    if not short:
+        return
+    hints = [f"did you mean {k!r} for {key!r}? " for key in short for k in have if k.lower() == key.lower()]
+    shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if not k.startswith(("node:", "memory",
+                                                                                             "object_store")))
+    raise ValueError(
+        f"ScalingConfig asks each worker for {short}, and the Ray that fit() started on this machine has "
+        f"{'less' if any(k in have for k in short) else 'none'} ({shown}): no node will ever join it, so the workers "
+        f"would wait for ever. {''.join(hints)}Ask for what this machine has (use_gpu=False on a machine without "
+        "GPUs), or join a cluster that has it: rjt.init_ray(address=...) or RAY_ADDRESS before fit().")
+
+
 def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     """Avoid the silent deadlock where the workers hold every CPU and Ray Data can never run a read task.
 
@@ -642,8 +666,10 @@ def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
     num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
     needed = num_workers * worker_cpus(scaling_config)
     if not ray.is_initialized():
-        if not init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 2)):
-            return
+        init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 2))
+    if _started_ray and ray.get_runtime_context().get_node_id() in _started_ray:
+        _check_the_private_ray_has(scaling_config)
+        return
     if needed <= 0 or not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
         return
     total = ray.cluster_resources().get("CPU", 0.0)

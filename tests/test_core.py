@@ -777,6 +777,15 @@ time.sleep(3)
 assert ray.get(ray.remote(lambda: 7).remote(), timeout=60) == 7
 print("ray outlived the thread that started it", flush=True)
 
+# No autoscaler grows the Ray that init_ray started: workers it cannot place are refused, not retried for ever.
+try:
+    rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+                   run_config=RunConfig(name="gpu", storage_path=storage)).fit()
+    sys.exit("fit() returned with a GPU worker on a machine without one")
+except ValueError as exc:
+    assert "asks each worker for {'GPU': 1.0}" in str(exc) and "wait for ever" in str(exc), exc
+print("a GPU worker was refused", flush=True)
+
 # A KeyboardInterrupt raised past Ray's SIGINT handler (a timer's handler: a notebook cell's time limit).
 def timer(signum, frame):
     raise KeyboardInterrupt("the cell's time is up")
@@ -820,3 +829,4 @@ def test_a_notebook_s_fit_from_a_thread_or_cut_by_a_timer_leaves_ray_and_ctrl_c_
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-5000:]
     assert "ray outlived the thread that started it" in out and "the run was aborted at" in out, out[-5000:]
+    assert "a GPU worker was refused" in out, out[-5000:]
