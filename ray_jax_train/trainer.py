@@ -149,26 +149,44 @@ class JaxTrainer(DataParallelTrainer):
         return _with_latest_metrics(result, controller)
 
     @staticmethod
-    def _abort(controller) -> None:
+    def _abort(controller, at_once: bool = False) -> None:
+        """Abort the run; after RAY_JAX_TRAIN_ABORT_WAIT_S (60 s), or `at_once`, end its controller instead (its
+        workers and placement group go with it): one busy placing workers that do not fit never takes an abort up."""
         if controller is None:
             return
+        if not at_once:
+            wait_s = float(os.environ.get("RAY_JAX_TRAIN_ABORT_WAIT_S", "60"))
+            try:
+                ray.get(controller.abort.remote(), timeout=wait_s)
+                return
+            except ray.exceptions.RayActorError:  # the abort ends the controller: done
+                return
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("The run did not stop within %g s (its workers may be waiting to be placed): "
+                               "ending its controller.", wait_s)
         try:
-            ray.get(controller.abort.remote(), timeout=120)
-        except Exception as exc:  # noqa: BLE001 - gone already, or stuck: the interrupt is what the caller sees
-            logger.warning("Could not abort the interrupted run's controller: %s", exc)
+            ray.kill(controller, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - gone already
+            logger.debug("Could not end the run's controller: %s", exc)
 
     def _register_sigint_handler(self, controller):
+        """Ctrl-C aborts the run, as Ray's handler does, but not for ever: a controller busy placing workers that
+        do not fit never took the abort up (8 minutes, until a third Ctrl-C ended the process with sys.exit: a
+        Python API review). A second Ctrl-C ends the controller at once; fit() raises KeyboardInterrupt."""
         import signal
 
-        super()._register_sigint_handler(controller)
         self._controller = controller  # held past run() so fit() can ask it for the latest report
-        ray_handler = signal.getsignal(signal.SIGINT)
+        presses = 0
 
-        def note_then_abort(signum, frame):
+        def abort(signum, frame):
+            nonlocal presses
+            presses += 1
             self._interrupted = True
-            ray_handler(signum, frame)
+            if presses == 1:
+                logger.warning("Interrupted: aborting the run (a second Ctrl-C ends it at once).")
+            self._abort(controller, at_once=presses > 1)
 
-        signal.signal(signal.SIGINT, note_then_abort)
+        signal.signal(signal.SIGINT, abort)
 
     def _get_train_func(self):
         from ray_jax_train.retries import marking_repeated_errors

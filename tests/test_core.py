@@ -786,6 +786,31 @@ except ValueError as exc:
     assert "asks each worker for {'GPU': 1.0}" in str(exc) and "wait for ever" in str(exc), exc
 print("a GPU worker was refused", flush=True)
 
+# Ctrl-C while the workers wait for CPUs another actor holds: Ray's controller never took the abort up, and the
+# process hung until a third Ctrl-C (a Python API review).
+@ray.remote(num_cpus=2)
+class Holder:
+    def ready(self):
+        return True
+
+holder = Holder.remote()
+ray.get(holder.ready.remote())
+
+def ctrl_c_soon():
+    time.sleep(6)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+threading.Thread(target=ctrl_c_soon, daemon=True).start()
+started = time.time()
+try:
+    rjt.JaxTrainer(loop, train_loop_config={"progress": progress}, scaling_config=ScalingConfig(num_workers=1),
+                   run_config=RunConfig(name="waits", storage_path=storage)).fit()
+    sys.exit("fit() returned while its worker could not be placed")
+except KeyboardInterrupt:
+    pass
+print(f"a run waiting for CPUs was interrupted in {time.time() - started:.0f} s", flush=True)
+ray.kill(holder)
+
 # A KeyboardInterrupt raised past Ray's SIGINT handler (a timer's handler: a notebook cell's time limit).
 def timer(signum, frame):
     raise KeyboardInterrupt("the cell's time is up")
@@ -824,9 +849,10 @@ def test_a_notebook_s_fit_from_a_thread_or_cut_by_a_timer_leaves_ray_and_ctrl_c_
     script.write_text(_NOTEBOOK_SESSION)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if p)
+    env["RAY_JAX_TRAIN_ABORT_WAIT_S"] = "5"
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "storage")], env=env, capture_output=True,
                           text=True, timeout=400, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-5000:]
     assert "ray outlived the thread that started it" in out and "the run was aborted at" in out, out[-5000:]
-    assert "a GPU worker was refused" in out, out[-5000:]
+    assert "a GPU worker was refused" in out and "a run waiting for CPUs was interrupted in" in out, out[-5000:]
