@@ -130,16 +130,29 @@ class AppendOnlyFile:
         self._lines = b""
         self._flush_every_s, self._flushed_at, self._dirty = flush_every_s, float("-inf"), False
         parent = path.rsplit("/", 1)[0]
+        # A line a killed attempt cut short is ended first: the next attempt's first line ran on into it, and the
+        # record that marks the resume was lost with both (a Tune chaos review).
+        self._cut_short = False
         if self._local:
             os.makedirs(parent, exist_ok=True)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    self._cut_short = f.read(1) != b"\n"
+            except OSError:  # none yet, or empty
+                pass
             return
         fs.create_dir(parent, recursive=True)
         if fs.get_file_info(path).type == pafs.FileType.File:
             with fs.open_input_stream(path) as f:
                 self._lines = f.read()
+            if self._lines and not self._lines.endswith(b"\n"):
+                self._lines += b"\n"
 
     def append(self, line: str) -> None:
         data = (line.rstrip("\n") + "\n").encode()
+        if self._cut_short:
+            data, self._cut_short = b"\n" + data, False
         if self._local:
             with open(self._path, "ab") as f:
                 f.write(data)

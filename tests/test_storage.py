@@ -66,6 +66,14 @@ def test_metrics_on_an_object_store_keep_an_earlier_attempts_lines(tmp_path):
     uri = f"file://{tmp_path / 'bucket' / 'run'}"
     assert [r["loss"] for r in read_records(uri)] == [3.0, 2.4]
     assert read_metrics(uri) == read_records(uri) and read_metrics(f"file://{tmp_path}/nothing") == []
+    # A line a killed attempt cut short is ended before the next attempt's first (they ran into one, both lost).
+    for where, files in ((tmp_path / "local" / "run", pafs.LocalFileSystem()), (tmp_path / "bucket" / "cut", fs)):
+        where.mkdir(parents=True)
+        (where / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo')
+        again = RunOutputs(files, str(where) if files is not fs else "/cut").metrics_file()
+        again.append(json.dumps({"step": 2, "loss": 2.4, "start_step": 1}))
+        again.close()
+        assert [r["loss"] for r in read_records(str(where))] == [3.0, 2.4], (where / "metrics.jsonl").read_text()
 
 
 def test_final_model_and_tokenizer_reach_an_object_store(ray_cluster, tmp_path):
