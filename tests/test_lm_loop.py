@@ -397,6 +397,11 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
     a, b = (dict(np.load(tmp_path / run / "final_params.npz")) for run in ("first", "again"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert first.metrics["step"] == 4
+    # Resumed at its end it trains nothing, and reported nothing: a Tune trial rerun so had no loss and no
+    # checkpoint, and its search named another trial best (a Tune chaos review). Its last record is reported again.
+    third = fit(tmp_path / "third")
+    assert third.metrics["step"] == 4 and third.metrics["loss"] == first.metrics["loss"], third.metrics
+    assert os.path.basename(third.metrics["checkpoint_path"]).startswith("checkpoint_000000004"), third.metrics
 
 
 def test_a_loss_gone_nan_stops_the_run_before_it_is_trained_on_or_saved(ray_cluster, tmp_path, capfd):

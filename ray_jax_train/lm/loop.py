@@ -130,7 +130,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         first_epoch = _compile_ahead(step_fn, mesh, abstract, first_epoch)
 
     data_pos = {"epoch": 0, "batch": 0}
-    resumed_at, state = None, None
+    resumed_at, resumed_from, state = None, None, None
     if checkpointer is not None and not args.resume_if_possible:
         checkpointer._restore_called = True  # starting over is what was asked for: no "restore() not called" warning
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
@@ -148,7 +148,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             if hyperparams is not None:
                 restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], fresh)
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
-            resumed_at = restored.step
+            resumed_at, resumed_from = restored.step, restored.path
             if first_epoch is not None:
                 # Opened at the data's start: has_resume_point said no on every process, so all reopen here alike.
                 logger.warning("A checkpoint turned up after the data was opened for a fresh start; the data is "
@@ -329,6 +329,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if args.save_steps and step % args.save_steps and step != resumed_at:  # resumed at the end: saved already
             checkpointer.save(step, state, metrics=dict(last), data_state={**position, "batch_size": args.batch_size})
         checkpointer.close()
+    if resumed_at is not None and resumed_at >= total_steps:
+        _report_the_finished_run(outputs, resumed_at, resumed_from, rank0)
     recorder.params("final_params", state["params"])
     if args.save_final_model:
         from flax import nnx
@@ -574,6 +576,28 @@ def _summarise(stacked: Dict[str, np.ndarray], last_step: int, schedule) -> Dict
     loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "grad_norm": float(stacked["grad_norm"][-1]),
             "loss_tokens": float(np.sum(tokens)), "learning_rate": float(schedule(last_step - 1))}
+
+
+def _report_the_finished_run(outputs, step: int, checkpoint_path: str, rank0: bool) -> None:
+    """A run resumed at its end trains nothing, and reported nothing: a Tune trial rerun after its search's driver
+    was killed past the trial's last save then had no loss and no checkpoint, and the search named another trial
+    best (a Tune chaos review). Its logged metrics up to `step` are reported again, with the checkpoint's path."""
+    import ray.train
+
+    from ray_jax_train.plot import parse_records
+
+    metrics: Dict[str, Any] = {}
+    if rank0:
+        try:
+            with outputs.filesystem.open_input_stream(f"{outputs.run_path}/metrics.jsonl") as f:
+                text = f.read().decode()
+        except Exception:  # noqa: BLE001 - none kept: the step and checkpoint alone
+            text = ""
+        for record in parse_records(text):
+            if int(record.get("step", -1)) <= step:
+                metrics.update(record)
+        metrics.update(step=step, checkpoint_path=checkpoint_path)
+    ray.train.report(metrics)
 
 
 def _warn_about_changed_settings(restored, current_opt_state, scheduler: str, total_steps: int) -> None:
