@@ -420,6 +420,10 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         if errors:
             warning += (f", and {len(errors)} failed: `tune --resume-errored` (resume_errored=True) runs them again "
                         "from their latest checkpoints")
+    elif errors:  # the best is of the others: a failed trial (its trial actor lost, say) might have beaten it
+        warning = (f"{len(errors)} of {len(results)} trials failed, so the best is of the rest; `tune --resume-errored`"
+                   " (resume_errored=True) runs them again from their latest checkpoints")
+    if warning:
         logger.warning("The search in %s: %s.", experiment_dir, warning)
     best_config = parse_config(_merge(base_data, best.config))
     trial_name = f"{name}-{best.metrics.get('trial_id')}"
