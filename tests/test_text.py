@@ -147,6 +147,16 @@ def test_tokenizer_save_and_reload_offline(tokenizer, tmp_path, monkeypatch):
            (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert again.chat_template == DEFAULT_CHAT_TEMPLATE
     assert encode_chats(again, [CHAT])[1][0].tolist() == encode_chats(tokenizer, [CHAT])[1][0].tolist()
+    # A file cut short (a copy stopped half way), or none at all: named, not transformers' bare JSONDecodeError.
+    from ray_jax_train.text import load_tokenizer
+
+    saved = (tmp_path / "tok" / "tokenizer.json").read_text()
+    (tmp_path / "tok" / "tokenizer.json").write_text(saved[:3000])
+    with pytest.raises(ValueError, match=r"the tokenizer in .*tok' could not be read \(JSONDecodeError.*cut short"):
+        load_tokenizer(tmp_path / "tok")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_tokenizer(tmp_path / "empty")
 
 
 def test_ensure_pad_token_falls_back_to_eos_with_warning(tokenizer, caplog):

@@ -80,7 +80,17 @@ def load_tokenizer(tokenizer_or_path):
                                     f"tokenizer.save_pretrained(dir) or train_tokenizer(..., save_dir=dir)")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # transformers' own errors name neither the directory nor the fix
+            files = [n for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+                     if os.path.isfile(os.path.join(path, n))]
+            if not files:
+                raise ValueError(f"{path!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json); save one "
+                                 "with tokenizer.save_pretrained(dir) or train_tokenizer(..., save_dir=dir)") from None
+            raise ValueError(f"the tokenizer in {path!r} could not be read ({type(exc).__name__}: {exc}); a file of it "
+                             f"({', '.join(files)}) is damaged or cut short: put back a good copy (a run's checkpoints "
+                             "need the very tokenizer they were trained with), or name another") from exc
     return tokenizer_or_path
 
 
