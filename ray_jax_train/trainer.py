@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -68,6 +69,44 @@ def check_datasets(datasets: Optional[Dict[str, Any]]) -> None:
                 "ray.data.read_parquet(path) and the like.")
 
 
+def check_run_settings(train_loop_config, scaling_config, run_config):
+    """The run's settings of the wrong kind, said by argument with the fix; `run_config` with a relative local
+    storage_path made absolute. Before, a dict for a config failed deep in Ray ("'dict' object has no attribute
+    'use_tpu'"), and a storage problem in Ray's controller, as a traceback naming neither (a Python API review)."""
+    from ray_jax_train import storage
+
+    if train_loop_config is not None and not isinstance(train_loop_config, dict):
+        raise TypeError(f"train_loop_config must be a dict (the loop gets it as its argument), got a "
+                        f"{type(train_loop_config).__name__}; e.g. train_loop_config={{'lr': 1e-3}}")
+    if not isinstance(scaling_config, ScalingConfig):
+        raise TypeError(f"scaling_config must be a ray.train.ScalingConfig, got a {type(scaling_config).__name__}; "
+                        "e.g. ScalingConfig(num_workers=2)")
+    if run_config is None:
+        return None
+    if not isinstance(run_config, RunConfig):
+        kind = type(run_config)
+        raise TypeError(f"run_config must be a ray.train.RunConfig, got a {kind.__module__}.{kind.__qualname__}; "
+                        "e.g. RunConfig(name='my-run', storage_path='/shared/runs') (Ray Train V2's, not "
+                        "ray.air's or ray.tune's)")
+    where = run_config.storage_path
+    if where is None or getattr(run_config, "storage_filesystem", None) is not None:
+        return run_config
+    where = os.fspath(where)
+    fix = "give an absolute directory every node sees, or a URI (s3://, gs://, file://)"
+    if storage.is_uri(where):
+        if where.startswith("file://"):  # parsed here; a bucket's would ask the network
+            try:
+                storage.filesystem(where)
+            except ValueError as exc:
+                raise ValueError(f"RunConfig(storage_path=...): {exc}") from None
+        return run_config
+    if os.path.isfile(os.path.expanduser(where)):
+        raise ValueError(f"RunConfig(storage_path={where!r}) is a file, not a directory; {fix}")
+    if storage.absolute(where) != where:  # Ray's controller read a relative path as a URI without a scheme
+        run_config = dataclasses.replace(run_config, storage_path=storage.absolute(where))
+    return run_config
+
+
 class JaxTrainer(DataParallelTrainer):
     """Runs `train_loop_per_worker` on N workers that form one `jax.distributed` job.
 
@@ -91,6 +130,7 @@ class JaxTrainer(DataParallelTrainer):
         check_train_loop(train_loop_per_worker)
         check_datasets(datasets)
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
+        run_config = check_run_settings(train_loop_config, scaling_config, run_config)
         jax_config = _as_our_jax_config(jax_config)
         problem = run_name_problem(getattr(run_config, "name", None))
         if problem:

@@ -194,6 +194,20 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
     with pytest.raises(TypeError, match="datasets must be a dict"):
         rjt.JaxTrainer(loop, datasets=[ray.data.range(4)])
     rjt.JaxTrainer(loop, datasets={"train": ray.data.range(4), "made": lambda: ray.data.range(4)})
+    # Settings of the wrong kind failed deep in Ray ("'dict' object has no attribute 'use_tpu'"), storage problems in
+    # Ray's controller (a Python API review); a relative storage path is the driver's, as RayDistributedTrainer's.
+    from ray.train import RunConfig
+
+    with pytest.raises(TypeError, match="scaling_config must be a ray.train.ScalingConfig, got a dict"):
+        rjt.JaxTrainer(loop, scaling_config={"num_workers": 1})
+    with pytest.raises(TypeError, match="run_config must be a ray.train.RunConfig, got a builtins.dict"):
+        rjt.JaxTrainer(loop, run_config={"name": "x"})
+    with pytest.raises(TypeError, match="train_loop_config must be a dict"):
+        rjt.JaxTrainer(loop, train_loop_config=[1, 2])
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        rjt.JaxTrainer(loop, run_config=RunConfig(storage_path=__file__))
+    relative = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path="runs"))
+    assert relative.run_config.storage_path == os.path.abspath("runs") and relative.run_config.name == "r"
     batch = {"x": np.ones(3), "valid": np.zeros(3)}
     with pytest.raises(ValueError, match="has a column 'valid' already. Pass mask_key="):
         _pad(batch, 4, "valid")
