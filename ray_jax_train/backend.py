@@ -107,6 +107,26 @@ class JaxConfig(BackendConfig):
     distributed: bool = True
 
     def __post_init__(self):
+        # Kinds a typo or a config file gets wrong: "false" read as True joined workers that were meant apart, and a
+        # list of env vars failed as "'list' object has no attribute 'items'" (a Python API review).
+        for name in ("use_tpu", "use_gpu", "compilation_cache", "cpu_affinity", "keep_cpu_memory", "distributed"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"JaxConfig({name}={getattr(self, name)!r}) must be True or False.")
+        if self.gpu_memory_preallocate is not None and not isinstance(self.gpu_memory_preallocate, bool):
+            raise TypeError(f"JaxConfig(gpu_memory_preallocate={self.gpu_memory_preallocate!r}) must be True, False "
+                            "or None.")
+        for name in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is None and name == "shutdown_timeout_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"JaxConfig({name}={value!r}) must be a number of seconds > 0.")
+        if not isinstance(self.env_vars, Mapping):
+            raise TypeError(f"JaxConfig(env_vars=...) must be a dict of name -> value, got a "
+                            f"{type(self.env_vars).__name__}; e.g. env_vars={{'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}}")
+        if self.gpu_memory_fraction is not None and (isinstance(self.gpu_memory_fraction, bool) or
+                                                     not isinstance(self.gpu_memory_fraction, (int, float))):
+            raise TypeError(f"JaxConfig(gpu_memory_fraction={self.gpu_memory_fraction!r}) must be a number in (0, 1].")
         if self.platform is not None:
             self.platform = str(self.platform).lower()
             if self.platform == "cuda":
@@ -223,7 +243,11 @@ def _xla_flag_list(flags: Any) -> List[str]:
     characters, which XLA aborted every worker on while Ray went on retrying the worker group (a hang)."""
     if isinstance(flags, str):
         flags = shlex.split(flags)
-    flags = list(flags)
+    try:
+        flags = list(flags)
+    except TypeError:
+        raise TypeError(f"JaxConfig(xla_flags={flags!r}) takes a list of XLA flags (or one string of them), such as "
+                        "['--xla_cpu_enable_fast_math=false'].") from None
     bad = [f for f in flags if not isinstance(f, str) or not f.startswith("--")]
     if bad:
         raise ValueError(f"JaxConfig(xla_flags=...) takes XLA flags such as '--xla_cpu_enable_fast_math=false'; "

@@ -22,6 +22,20 @@ def test_num_cpu_devices_must_be_positive(bad):
         rjt.JaxConfig(num_cpu_devices=bad)
 
 
+@pytest.mark.parametrize("bad,error,fragment", [
+    ({"distributed": "false"}, TypeError, "distributed='false') must be True or False"),  # was read as True
+    ({"initialization_timeout_s": -5}, ValueError, "must be a number of seconds > 0"),
+    ({"env_vars": ["JAX_FOO=1"]}, TypeError, "must be a dict of name -> value, got a list"),
+    ({"xla_flags": 5}, TypeError, "takes a list of XLA flags"),
+    ({"gpu_memory_fraction": "0.5"}, TypeError, "must be a number in (0, 1]"),
+])
+def test_jax_config_settings_of_the_wrong_kind_are_refused(bad, error, fragment):
+    """A Python API review: strings for booleans were kept (truthy), lists and strings failed deep inside."""
+    with pytest.raises(error) as raised:
+        rjt.JaxConfig(**bad)
+    assert fragment in str(raised.value)
+
+
 def test_cpu_affinity_puts_workers_on_distinct_physical_cores():
     """Topologies written out: this 2-core VM has no hyperthreads (test_core pins real workers on it)."""
     # 8 cores x 2 threads, Linux's usual numbering: cpu i and i + 8 are one core.
