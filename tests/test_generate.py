@@ -145,6 +145,8 @@ def test_a_cache_too_small_is_refused_not_overwritten(model):
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=0), "top_k must be a positive integer"),
+    (dict(top_p=0.5), "narrows sampling, and temperature=0 decodes greedily"),  # was ignored without a word
+    (dict(seed=None), "seed must be an integer"),
     (dict(input_ids=np.zeros((2, 0), np.int32)), "at least one column"),
     (dict(attention_mask=np.array([[0, 0, 0], [1, 1, 1]])), r"rows \[0\] have an empty prompt"),
     (dict(attention_mask=np.array([[1, 1, 0], [1, 1, 1]])), "must be left-padded"),
@@ -181,6 +183,10 @@ def test_generate_text_for_text_and_chat_prompts(model_dir):
     assert answer == tokenizer.decode(ids, skip_special_tokens=True)
     with pytest.raises(ValueError, match="no prompts"):
         generate_text(model, tokenizer, [], max_new_tokens=8)
+    # One message alone had its keys completed as two text prompts; a tokenizer directory is loaded.
+    with pytest.raises(ValueError, match="got one message .* a conversation is a list of them"):
+        generate_text(model, tokenizer, chat[0], max_new_tokens=8)
+    assert generate_text(model, str(model_dir[0] / "final_model"), chat, max_new_tokens=8) == answer
 
 
 def test_cli_generate_prints_the_completion(model_dir):

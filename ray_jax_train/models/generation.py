@@ -7,6 +7,7 @@ one token a step (greedy, or sampled with temperature, top-k and top-p), so no t
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from functools import partial
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -42,7 +43,7 @@ def generate(model: LlamaForCausalLM, input_ids, attention_mask=None, *, max_new
     """
     config = model.config
     ids, mask = _check_prompts(config, input_ids, attention_mask, max_new_tokens)
-    _check_sampling(temperature, top_k, top_p)
+    _check_sampling(temperature, top_k, top_p, seed)
     eos = _token_ids(config.eos_token_id if eos_token_id is None else eos_token_id, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
@@ -68,6 +69,13 @@ def generate_text(model: LlamaForCausalLM, tokenizer, prompts: Union[Prompt, Seq
     ``max_new_tokens`` defaults to 64, or fewer where the longest prompt leaves less room in
     ``max_position_embeddings`` (a small model trained on short rows has little).
     """
+    if isinstance(prompts, Mapping):  # its keys were completed as two text prompts (a Python API review)
+        raise ValueError("generate_text got one message (a dict); a conversation is a list of them: "
+                         "[{'role': 'user', 'content': ...}]")
+    if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer directory, as the CLI's --tokenizer takes
+        from ray_jax_train.text import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
     single = isinstance(prompts, str) or _is_conversation(prompts)
     batch = [prompts] if single else list(prompts)
     if not batch:
@@ -165,13 +173,20 @@ def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_sampling(temperature, top_k, top_p) -> None:
+def _check_sampling(temperature, top_k, top_p, seed=0) -> None:
     if not (_real(temperature) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and not (_real(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if temperature == 0 and (top_k is not None or (top_p is not None and top_p < 1)):
+        # Greedy decoding ignored them without a word (a Python API review).
+        given = ", ".join(f"{k}={v}" for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None)
+        raise ValueError(f"{given} narrows sampling, and temperature=0 decodes greedily; set temperature > 0 (e.g. "
+                         "0.8) to sample, or leave them out")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
 
 
 @partial(nnx.jit, static_argnames=("max_new_tokens", "greedy", "top_k", "nucleus"))
