@@ -157,6 +157,14 @@ def test_tokenizer_save_and_reload_offline(tokenizer, tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no tokenizer"):
         load_tokenizer(tmp_path / "empty")
+    # Texts of the wrong kind trained a byte-only tokenizer without a word; a file as save_dir saved nothing.
+    from ray_jax_train.text import train_tokenizer
+
+    for texts, message in (("one string", "not one string"), ([{"text": "a"}], "text 0 is a dict"), ([], "no texts")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            train_tokenizer(texts, vocab_size=300)
+    with pytest.raises(ValueError, match="is a file"):
+        train_tokenizer(["some text"], vocab_size=300, save_dir=tmp_path / "tok" / "tokenizer.json")
 
 
 def test_ensure_pad_token_falls_back_to_eos_with_warning(tokenizer, caplog):

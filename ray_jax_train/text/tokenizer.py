@@ -50,6 +50,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
     from transformers import PreTrainedTokenizerFast
 
     special = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS]
+    # Wrong input gave a byte-only tokenizer of 262 tokens without a word, or failed inside the tokenizers library
+    # naming neither the argument nor the fix (a Python API review).
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("train_tokenizer takes an iterable of texts, not one string (it would learn from its "
+                        "characters); pass [text]")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an integer, got {vocab_size!r}")
+    if save_dir is not None and os.path.isfile(os.fspath(save_dir)):
+        raise ValueError(f"save_dir {os.fspath(save_dir)!r} is a file; give a directory to save the tokenizer in")
     if vocab_size < len(special) + 256:
         raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 byte tokens "
                          f"plus {len(special)} special tokens")
@@ -59,7 +68,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                   special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(iter(texts), trainer)
+    counted = [0]
+
+    def checked():
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"train_tokenizer: text {i} is a {type(text).__name__}, not a str (rows of a dataset: "
+                                "pass [row['text'] for row in rows])")
+            counted[0] += 1
+            yield text
+
+    backend.train_from_iterator(checked(), trainer)
+    if not counted[0]:
+        raise ValueError("train_tokenizer got no texts to learn from")
     kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
