@@ -317,9 +317,16 @@ def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size
         given += 1
         yield batch
     counts = agreement.first_counts if agreement is not None else None
-    if given or not (read.rows or (counts and max(counts) > 0)):
+    if given:
         return
     import jax
+
+    if not (read.rows or (counts and max(counts) > 0)):
+        # No process read a row: a loop over it ended at once and fit() reported success (a Python API review).
+        raise NoFullBatchError(
+            f"iter_jax_batches gave no batch: the data gave no rows at all, on any of the {jax.process_count()} "
+            "processes. Check the dataset (a filter that kept nothing, empty files); a trainer's dataset is split "
+            "equally, rows // workers to each, so one with fewer rows than workers gives every worker none.")
 
     short = [p for p, n in enumerate(counts or []) if n == 0]
     if counts and len(short) < len(counts):

@@ -501,6 +501,8 @@ def test_a_dataset_short_of_one_batch_says_why_it_gave_none(ray_cluster, caplog)
     mesh = rjt.make_mesh({"dp": -1})
     with pytest.raises(rjt.NoFullBatchError, match=r"gave no batch although this process read 3 rows.*remainder='pad'"):
         list(rjt.iter_jax_batches(ray.data.range(3), batch_size=4, mesh=mesh))
+    with pytest.raises(rjt.NoFullBatchError, match="the data gave no rows at all"):  # trained nothing, "succeeded"
+        list(rjt.iter_jax_batches(ray.data.range(6).filter(lambda row: False), batch_size=4, mesh=mesh))
     # A tail dropped after a batch, or batches skipped on resume, are no surprise.
     assert len(list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh))) == 1
     assert list(rjt.iter_jax_batches(ray.data.range(6), batch_size=4, mesh=mesh, skip_batches=1)) == []
