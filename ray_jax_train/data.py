@@ -335,12 +335,12 @@ def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size
             f"the {jax.process_count()} processes, and process(es) {short} had fewer than that (this one, "
             f"process {jax.process_index()}, read {read.rows}); remainder='drop' yields only batches every process "
             "fills. Give each worker rows enough (more data, or a split that shares them out), a smaller "
-            "batch_size, or remainder='pad' where every worker has at least one row.")
+            "batch_size, or (iter_jax_batches in a loop of your own) remainder='pad' where every worker has a row.")
     raise NoFullBatchError(
         f"iter_jax_batches gave no batch although this process read {read.rows} rows: a batch "
         f"(batch_size={batch_size}) takes {local_rows} rows from each of the {jax.process_count()} processes, "
-        "and remainder='drop' drops a tail too short for that. Use a smaller batch_size, more data, or "
-        "remainder='pad'.")
+        "and remainder='drop' drops a tail too short for that. Use a smaller batch_size, more data, or (iter_jax_batches "
+        "in a loop of your own) remainder='pad'.")
 
 
 def _split_rows(batches, rows: int):

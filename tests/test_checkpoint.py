@@ -547,6 +547,11 @@ def rollback_loop(config):
         raise AssertionError(f"a file reported as a damaged save: {exc}")
     except ValueError as exc:
         assert "is a file, not a checkpoint directory" in str(exc), exc
+    try:  # a typo'd path: not a damaged save either (a Python API review: "No usable checkpoint: ... corrupt")
+        ckpt.restore(target, "file://" + beside + ".missing")
+        raise AssertionError("a missing path restored")
+    except FileNotFoundError as exc:
+        assert "does not exist: pass a checkpoint directory" in str(exc), exc
     os.remove(beside)
     try:
         abstract_state({"w": state["w"], "step": 5})

@@ -69,6 +69,7 @@ class CheckpointMismatchError(ValueError):
 _MISMATCH = "holds a different train state than this run builds: "
 _RUN_DIR = "is not a checkpoint but a directory of checkpoints: "
 _A_FILE = "is a file, not a checkpoint directory"
+_GONE = "the directory does not exist"
 
 
 def _key_names(path) -> Tuple[str, ...]:
@@ -653,7 +654,8 @@ def abstract_state(state, shardings=None):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
                             f"{type(leaf).__name__} ({leaf!r}), not an array; keep arrays in the state (e.g. "
-                            "np.asarray(step), or jnp.asarray(step) in a one-process job), so it restores with a "
+                            "np.asarray(step, np.int32), or jnp.asarray(step) in a one-process job; the dtype "
+                            "the state was saved with: a Python int is saved as int32), so it restores with a "
                             "shape and dtype.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, np.ndarray):
@@ -1274,6 +1276,9 @@ class JaxCheckpointer:
             run_dir = next((v for v, _, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
             if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
                 raise ValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
+            if explicit and all(v == _GONE for v, _, _ in verdicts):  # a typo, not damage: no "corrupt" error
+                raise FileNotFoundError(f"{loc.uri} does not exist: pass a checkpoint directory (checkpoint_<step>_<id>"
+                                        ", or Result.checkpoint)")
             if explicit and any(v and v.startswith(_A_FILE) for v, _, _ in verdicts):
                 raise ValueError(f"{loc.uri} {_A_FILE} (checkpoint_* beside it holds Ray's own bookkeeping files "
                                  "too): pass a checkpoint_<step>_<id> directory, or Result.checkpoint.")
@@ -1319,7 +1324,7 @@ class JaxCheckpointer:
 
         try:
             if not _exists(loc):
-                return None, "the directory does not exist", None
+                return None, _GONE, None
             if _is_file(loc):
                 return None, _A_FILE, None
             for required in (*_finished_marks(loc), META_FILE, f"{STATE_ITEM}/_METADATA"):
