@@ -189,6 +189,12 @@ def iter_jax_batches(
         raise ValueError(f"prefetch={prefetch} must be >= 1.")
     if not isinstance(sync_window, int) or sync_window < 1:  # 0 would agree on 0 batches forever, never ending
         raise ValueError(f"sync_window={sync_window!r} must be a positive integer.")
+    # 1.5 skipped every batch, -1 none, without a word (a Python API review).
+    if isinstance(skip_batches, bool) or not isinstance(skip_batches, (int, np.integer)) or skip_batches < 0:
+        raise ValueError(f"skip_batches={skip_batches!r} must be a whole number of batches >= 0.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
+                        f"{type(mesh).__name__}")
     check_batch_size(batch_size, mesh, batch_axes)
     batch_size = int(batch_size)  # a numpy integer passes the check, and goes into JSON and shapes below
     sharding = batch_sharding(mesh, batch_axes)

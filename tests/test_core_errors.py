@@ -489,6 +489,10 @@ def test_iterator_settings_that_would_spin_or_grow_without_bound_are_refused():
     mesh = rjt.make_mesh({"dp": -1})
     with pytest.raises(ValueError, match="sync_window=0 must be a positive integer"):  # agreed on 0 batches forever
         rjt.iter_jax_batches("train", batch_size=4, mesh=mesh, sync_window=0)
+    with pytest.raises(ValueError, match=r"skip_batches=1.5 must be a whole number"):  # skipped every batch
+        rjt.iter_jax_batches("train", batch_size=4, mesh=mesh, skip_batches=1.5)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):  # 'NoneType' has no 'axis_names'
+        rjt.iter_jax_batches("train", batch_size=4, mesh=None)
     with pytest.raises(ValueError, match="prefetch=0 must be a positive integer"):  # Queue(maxsize=0) is unbounded
         rjt.ResumableBatches({"x": np.arange(16)}, batch_size=4, mesh=mesh, prefetch=0)
 
