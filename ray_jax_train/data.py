@@ -195,6 +195,7 @@ def iter_jax_batches(
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
                         f"{type(mesh).__name__}")
+    _check_dtypes(dtypes)
     check_batch_size(batch_size, mesh, batch_axes)
     batch_size = int(batch_size)  # a numpy integer passes the check, and goes into JSON and shapes below
     sharding = batch_sharding(mesh, batch_axes)
@@ -374,6 +375,21 @@ def _split_rows(batches, rows: int):
             carry = {key: value[start:] for key, value in batch.items()}
     if carry is not None:
         yield carry
+
+
+def _check_dtypes(dtypes) -> None:
+    """Each dtype given is one numpy knows, said by column before anything is read (numpy's own error, from the
+    reader thread, named no column)."""
+    pairs = dtypes.items() if isinstance(dtypes, Mapping) else [("every column", dtypes)]
+    for column, dtype in pairs:
+        if dtype is None:
+            continue
+        try:
+            np.dtype(dtype)
+        except TypeError as exc:
+            what = f"column {column!r}" if column != "every column" else column
+            raise ValueError(f"dtypes: {dtype!r} for {what} is not a dtype ({exc}); e.g. np.int32, 'float32' or "
+                             "jnp.bfloat16") from None
 
 
 def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:

@@ -493,6 +493,8 @@ def test_iterator_settings_that_would_spin_or_grow_without_bound_are_refused():
         rjt.iter_jax_batches("train", batch_size=4, mesh=mesh, skip_batches=1.5)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):  # 'NoneType' has no 'axis_names'
         rjt.iter_jax_batches("train", batch_size=4, mesh=None)
+    with pytest.raises(ValueError, match="dtypes: 'int33' for column 'id' is not a dtype"):
+        rjt.iter_jax_batches("train", batch_size=4, mesh=mesh, dtypes={"id": "int33"})
     with pytest.raises(ValueError, match="prefetch=0 must be a positive integer"):  # Queue(maxsize=0) is unbounded
         rjt.ResumableBatches({"x": np.arange(16)}, batch_size=4, mesh=mesh, prefetch=0)
 

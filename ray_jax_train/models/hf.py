@@ -61,7 +61,11 @@ def load_hf_config(path: PathLike, **overrides: Any) -> LlamaConfig:
     if not cfg_file.is_file():
         raise _not_a_model_dir(path, "config.json is missing")
     with open(cfg_file) as f:
-        d = json.load(f)
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:  # bare, it named neither the file nor what to do
+            raise ValueError(f"{cfg_file} is not valid JSON ({exc}): the file is damaged or cut short; put back the "
+                             "model's config.json") from None
     model_type = d.get("model_type")
     if model_type is None:
         for arch in d.get("architectures") or []:
