@@ -186,6 +186,8 @@ def test_generate_text_for_text_and_chat_prompts(model_dir):
     # One message alone had its keys completed as two text prompts; a tokenizer directory is loaded.
     with pytest.raises(ValueError, match="got one message .* a conversation is a list of them"):
         generate_text(model, tokenizer, chat[0], max_new_tokens=8)
+    with pytest.raises(ValueError, match="message 0 of the conversation needs a string 'role' and 'content'"):
+        generate_text(model, tokenizer, [{"role": "user"}], max_new_tokens=8)
     assert generate_text(model, str(model_dir[0] / "final_model"), chat, max_new_tokens=8) == answer
 
 

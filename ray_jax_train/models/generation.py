@@ -124,6 +124,11 @@ def _encode(tokenizer, prompt: Prompt) -> list[int]:
                                   "text prompts, or give the tokenizer one (in Python: set its chat_template "
                                   "attribute, e.g. to ray_jax_train.text.DEFAULT_CHAT_TEMPLATE, and save_pretrained "
                                   "it into the model directory)")
+    for i, message in enumerate(prompt):  # the template's own error ("'dict object' has no attribute") named neither
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"message {i} of the conversation needs a string 'role' and 'content', got "
+                             f"{str(message)[:80]!r}")
     return list(tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=True, return_dict=True,
                                               add_generation_prompt=True)["input_ids"])
 
