@@ -10,11 +10,13 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import re
 import shlex
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import ray
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
@@ -109,23 +111,31 @@ class JaxConfig(BackendConfig):
     def __post_init__(self):
         # Kinds a typo or a config file gets wrong: "false" read as True joined workers that were meant apart, and a
         # list of env vars failed as "'list' object has no attribute 'items'" (a Python API review).
+        def flag(value) -> bool:  # numpy's bools, and 0 / 1 (Ray's own JaxConfig takes anything), are flags too
+            return isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))
+
+        def number(value) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
         for name in ("use_tpu", "use_gpu", "compilation_cache", "cpu_affinity", "keep_cpu_memory", "distributed"):
-            if not isinstance(getattr(self, name), bool):
+            if not flag(getattr(self, name)):
                 raise TypeError(f"JaxConfig({name}={getattr(self, name)!r}) must be True or False.")
-        if self.gpu_memory_preallocate is not None and not isinstance(self.gpu_memory_preallocate, bool):
-            raise TypeError(f"JaxConfig(gpu_memory_preallocate={self.gpu_memory_preallocate!r}) must be True, False "
-                            "or None.")
+            setattr(self, name, bool(getattr(self, name)))
+        if self.gpu_memory_preallocate is not None:
+            if not flag(self.gpu_memory_preallocate):
+                raise TypeError(f"JaxConfig(gpu_memory_preallocate={self.gpu_memory_preallocate!r}) must be True, "
+                                "False or None.")
+            self.gpu_memory_preallocate = bool(self.gpu_memory_preallocate)
         for name in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
             value = getattr(self, name)
             if value is None and name == "shutdown_timeout_s":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if not number(value) or value <= 0:
                 raise ValueError(f"JaxConfig({name}={value!r}) must be a number of seconds > 0.")
         if not isinstance(self.env_vars, Mapping):
             raise TypeError(f"JaxConfig(env_vars=...) must be a dict of name -> value, got a "
                             f"{type(self.env_vars).__name__}; e.g. env_vars={{'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}}")
-        if self.gpu_memory_fraction is not None and (isinstance(self.gpu_memory_fraction, bool) or
-                                                     not isinstance(self.gpu_memory_fraction, (int, float))):
+        if self.gpu_memory_fraction is not None and not number(self.gpu_memory_fraction):
             raise TypeError(f"JaxConfig(gpu_memory_fraction={self.gpu_memory_fraction!r}) must be a number in (0, 1].")
         if self.platform is not None:
             self.platform = str(self.platform).lower()

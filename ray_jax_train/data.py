@@ -330,9 +330,10 @@ def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size
 
     if not (read.rows or (counts and max(counts) > 0)):
         # No process read a row: a loop over it ended at once and fit() reported success (a Python API review).
+        where = (f"on any of the {jax.process_count()} processes" if counts is not None else
+                 f"on this process ({jax.process_index()} of {jax.process_count()})")
         raise NoFullBatchError(
-            f"iter_jax_batches gave no batch: the data gave no rows at all, on any of the {jax.process_count()} "
-            "processes. Check the dataset (a filter that kept nothing, empty files); a trainer's dataset is split "
+            f"iter_jax_batches gave no batch: the data gave no rows at all, {where}. Check the dataset (a filter that kept nothing, empty files); a trainer's dataset is split "
             "equally, rows // workers to each, so one with fewer rows than workers gives every worker none.")
 
     short = [p for p, n in enumerate(counts or []) if n == 0]

@@ -302,10 +302,12 @@ class ExperimentConfig(_Section):
             if path.startswith("file://"):  # parsed here (no network, unlike a bucket's): it failed a step later
                 from ray_jax_train.storage import exists, filesystem
 
+                import glob
+
                 try:
                     filesystem(path)
-                    missing = key != "run.storage_path" and "*" not in path and not exists(path)
-                except ValueError as exc:
+                    missing = key != "run.storage_path" and not glob.has_magic(path) and not exists(path)
+                except (ValueError, OSError) as exc:
                     raise ConfigError(f"{key}: {exc}") from None
                 if missing:
                     raise ConfigError(f"{key}: {path!r}: file does not exist")

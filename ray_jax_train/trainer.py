@@ -691,13 +691,15 @@ def _needs_data_tasks(datasets) -> bool:
 _started_ray = set()  # the head node of each private Ray that fit() started in this process (no autoscaler there)
 
 
-def _check_the_private_ray_has(scaling_config) -> None:
-    """A worker resource the Ray that fit() just started on this machine lacks (a GPU here, a lower-case 'cpu'): no
-    autoscaler will add it, and Ray retried placing the workers every minute for ever (a Python API review)."""
+def _check_the_private_ray_has(scaling_config, num_workers: int) -> None:
+    """Worker resources the Ray that fit() started on this machine lacks (a GPU here, a lower-case 'cpu', more of
+    them than it has): no autoscaler will add them, and Ray retried placing the workers every minute for ever (a
+    Python API review)."""
     import ray
 
     have = ray.cluster_resources()
-    want = {k: float(v) for k, v in scaling_config._resources_per_worker_not_none.items() if float(v) > 0}
+    want = {k: float(v) * num_workers for k, v in scaling_config._resources_per_worker_not_none.items()
+            if float(v) > 0}
     short = {k: v for k, v in want.items() if have.get(k, 0.0) < v}
     if not short:
         return
@@ -705,7 +707,7 @@ def _check_the_private_ray_has(scaling_config) -> None:
     shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if not k.startswith(("node:", "memory",
                                                                                              "object_store")))
     raise ValueError(
-        f"ScalingConfig asks each worker for {short}, and the Ray that fit() started on this machine has "
+        f"ScalingConfig asks its {num_workers} worker(s) for {short} in all, and the Ray that fit() started on this machine has "
         f"{'less' if any(k in have for k in short) else 'none'} ({shown}): no node will ever join it, so the workers "
         f"would wait for ever. {''.join(hints)}Ask for what this machine has (use_gpu=False on a machine without "
         "GPUs), or join a cluster that has it: rjt.init_ray(address=...) or RAY_ADDRESS before fit().")
@@ -723,11 +725,13 @@ def ensure_ray_leaves_cpu_for_data(scaling_config, has_datasets: bool) -> None:
 
     num_workers = scaling_config.num_workers if isinstance(scaling_config.num_workers, int) else 1
     needed = num_workers * worker_cpus(scaling_config)
-    if not ray.is_initialized():
+    just_started = not ray.is_initialized()
+    if just_started:
         init_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 2))
     if _started_ray and ray.get_runtime_context().get_node_id() in _started_ray:
-        _check_the_private_ray_has(scaling_config)
-        return
+        _check_the_private_ray_has(scaling_config, num_workers)
+        if just_started:  # sized for these workers and Ray Data beside them
+            return
     if needed <= 0 or not has_datasets or os.environ.get("RAY_JAX_TRAIN_SKIP_CPU_CHECK") == "1":
         return
     total = ray.cluster_resources().get("CPU", 0.0)

@@ -783,7 +783,13 @@ try:
                    run_config=RunConfig(name="gpu", storage_path=storage)).fit()
     sys.exit("fit() returned with a GPU worker on a machine without one")
 except ValueError as exc:
-    assert "asks each worker for {'GPU': 1.0}" in str(exc) and "wait for ever" in str(exc), exc
+    assert "asks its 1 worker(s) for {'GPU': 1.0} in all" in str(exc) and "wait for ever" in str(exc), exc
+from ray_jax_train.trainer import ensure_ray_leaves_cpu_for_data
+try:  # workers holding every CPU of it leave Ray Data none: still said on a Ray that init_ray started
+    ensure_ray_leaves_cpu_for_data(ScalingConfig(num_workers=2), has_datasets=True)
+    sys.exit("workers that take every CPU passed")
+except ValueError as exc:
+    assert "Ray Data would have no CPU" in str(exc), exc
 print("a GPU worker was refused", flush=True)
 
 # Ctrl-C while the workers wait for CPUs another actor holds: Ray's controller never took the abort up, and the

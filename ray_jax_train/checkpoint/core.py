@@ -1237,6 +1237,9 @@ class JaxCheckpointer:
 
         root = self.location
         keep_names = {loc.fs_path.rstrip("/").rsplit("/", 1)[-1] for loc in keep}
+        # Only where Ray's record was set aside are untracked complete checkpoints ones Ray had registered. Else they
+        # are Ray's rotated-out ones whose deletion a crash cut off, or adopted ones a crash kept: deleted as before.
+        set_aside = _record_set_aside(root)
         try:
             entries = root.filesystem.get_file_info(pafs.FileSelector(root.fs_path, allow_not_found=True))
         except Exception as exc:
@@ -1248,11 +1251,11 @@ class JaxCheckpointer:
             base = info.base_name
             stale_tmp = TMP_SUFFIX in base and _NAME_RE.match(base.split(TMP_SUFFIX)[0])
             orphan = _NAME_RE.match(base) and base not in keep_names
-            if orphan and _complete_meta(root.child(base)) is not None:
-                # Complete, older than Ray's latest, and not Ray's: one Ray had registered before its record was
-                # set aside, say. Only saves cut short are ours to delete; a whole checkpoint may be someone's best.
-                logger.info("Keeping %s: a complete checkpoint that Ray does not track (checkpoints_to_keep does "
-                            "not apply to it); delete it by hand if it is not wanted.", info.path)
+            if orphan and set_aside and _complete_meta(root.child(base)) is not None:
+                # Complete, and registered with Ray before its record was set aside: maybe the run's best.
+                logger.info("Keeping %s: a complete checkpoint Ray registered before its record was set aside "
+                            "(checkpoints_to_keep no longer applies to it); delete it by hand if it is not wanted.",
+                            info.path)
                 continue
             if stale_tmp or orphan:
                 logger.info("Removing %s (%s).", info.path, "unfinished save" if stale_tmp else "never registered")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import re
 from typing import Iterable
@@ -55,8 +56,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
     if isinstance(texts, (str, bytes)):
         raise TypeError("train_tokenizer takes an iterable of texts, not one string (it would learn from its "
                         "characters); pass [text]")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
         raise TypeError(f"vocab_size must be an integer, got {vocab_size!r}")
+    vocab_size = int(vocab_size)
     if save_dir is not None and os.path.isfile(os.fspath(save_dir)):
         raise ValueError(f"save_dir {os.fspath(save_dir)!r} is a file; give a directory to save the tokenizer in")
     if vocab_size < len(special) + 256:
@@ -103,6 +105,8 @@ def load_tokenizer(tokenizer_or_path):
 
         try:
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except ImportError:  # a missing package (sentencepiece): its own message says which
+            raise
         except Exception as exc:  # transformers' own errors name neither the directory nor the fix
             files = [n for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
                      if os.path.isfile(os.path.join(path, n))]
