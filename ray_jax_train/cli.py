@@ -237,22 +237,30 @@ def _as_submitted(command: str) -> str:
     return "ray job submit" + (" --working-dir ." if runtime_env.get("working_dir") else "") + " -- " + command
 
 
-def _resume_point(run_dir: str) -> str:
-    """Where a resume of `run_dir` would start: its newest finished checkpoint (registered with Ray or not)."""
+def _latest_checkpoint(run_dir: str) -> str:
+    """The checkpoint a resume of `run_dir` starts from: its newest finished one, registered with Ray or not
+    (FileNotFoundError when it has none)."""
     from ray_jax_train.lm.export import _resolve
-    from ray_jax_train.run_config import checkpoint_step
 
     export_log = logging.getLogger("ray_jax_train.lm.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice: nothing is exported here
     try:
-        checkpoint, _ = _resolve(run_dir)
+        return _resolve(run_dir)[0]
+    finally:
+        export_log.setLevel(level)
+
+
+def _resume_point(run_dir: str) -> str:
+    """Where a resume of `run_dir` would start, said in words."""
+    from ray_jax_train.run_config import checkpoint_step
+
+    try:
+        checkpoint = _latest_checkpoint(run_dir)
     except FileNotFoundError:
         return "(no checkpoint saved yet: it starts over)"
     except Exception:  # noqa: BLE001 - an unreadable run directory: the resume line itself still matters most
         return "(from its latest checkpoint, if it saved one)"
-    finally:
-        export_log.setLevel(level)
     step = checkpoint_step(checkpoint)
     return f"(from the checkpoint of step {step})" if step is not None else f"(from {checkpoint})"
 
@@ -285,22 +293,16 @@ def _refuse_starting_over_beside_checkpoints(config) -> None:
     trained a new tokenizer over the run's (same size, other ids) and rewrote its model files, so exporting an old
     checkpoint paired its weights with the wrong tokenizer, without a word (a deletion-safety review). Refused
     before Ray starts, naming the ways out."""
-    from ray_jax_train.lm.export import _resolve
     from ray_jax_train.run_config import ConfigError
     from ray_jax_train.storage import join
 
     if config.training.get("resume_if_possible", True) or not config.run.name:
         return
     run_dir = join(config.with_absolute_paths().run.storage_path, config.run.name)
-    export_log = logging.getLogger("ray_jax_train.lm.export")
-    level = export_log.level
-    export_log.setLevel(logging.ERROR)  # its "Exporting ..." notice: nothing is exported here
     try:
-        checkpoint, _ = _resolve(run_dir)
+        checkpoint = _latest_checkpoint(run_dir)
     except Exception:  # noqa: BLE001 - no checkpoint there (or none readable): nothing to keep apart
         return
-    finally:
-        export_log.setLevel(level)
     raise ConfigError(
         f"training.resume_if_possible: false would start run {config.run.name!r} over in {run_dir}, beside the "
         f"checkpoints it holds (the latest: {checkpoint}), and replace the tokenizer and model files they need. Give "

@@ -32,7 +32,7 @@ from ray_jax_train.backend import gpu_share_problem
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype, refuse_bool_numbers
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.quiet import quiet_run_settings, quiet_train_loop
-from ray_jax_train.storage import absolute, is_uri, join
+from ray_jax_train.storage import absolute, is_uri, join, parent
 from ray_jax_train.text.errors import read_error
 
 __all__ = [
@@ -1117,11 +1117,7 @@ def init_tokenizer_dir(config: ExperimentConfig) -> Optional[str]:
         return None
     from ray_jax_train.lm.export import MODEL_FILES
 
-    if is_uri(path):
-        where, sep, query = path.partition("?")
-        run_dir = where.rstrip("/").rsplit("/", 1)[0] + sep + query
-    else:
-        run_dir = os.path.dirname(os.path.abspath(path).rstrip(os.sep))
+    run_dir = parent(path)
     for name in (MODEL_FILES, TOKENIZER_DIR):
         if exists(join(run_dir, name, "tokenizer.json")):
             return join(run_dir, name)
@@ -1246,11 +1242,7 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
 
         # A run trained with a tokenizer it did not train (a Tune trial's: its search trained it) kept that one in
         # <run>/model/ only; continued under its name, a new one was trained over it, the ids given other meanings.
-        if is_uri(directory):  # its query (an S3 endpoint) stays at the end
-            where, sep, query = directory.partition("?")
-            kept = join(where.rstrip("/").rsplit("/", 1)[0] + sep + query, MODEL_FILES)
-        else:
-            kept = os.path.join(os.path.dirname(directory.rstrip(os.sep)), MODEL_FILES)
+        kept = join(parent(directory), MODEL_FILES)
         if exists(join(kept, "tokenizer.json")):
             logging.getLogger(__name__).warning(
                 "Reusing the tokenizer this run's checkpoints were trained with, %s (a new run.name trains a new one).",

@@ -53,6 +53,15 @@ def join(base: str, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
+def parent(path: str) -> str:
+    """The directory holding `path`, a local path (made absolute) or a URI (its query, an S3 endpoint_override, kept
+    at the end)."""
+    if is_uri(path):
+        where, sep, query = path.partition("?")
+        return where.rstrip("/").rsplit("/", 1)[0] + sep + query
+    return os.path.dirname(absolute(path).rstrip(os.sep))
+
+
 def qualified(fs_path: str, storage: str) -> str:
     """A path Ray reports within a URI storage's filesystem (`bucket/runs/...`, as `Checkpoint.path` is) as a URI
     of that storage again: scheme in front, query (the endpoint) behind. Local paths pass unchanged."""
