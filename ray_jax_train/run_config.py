@@ -22,6 +22,8 @@ import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 import typing
 from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
@@ -1250,9 +1252,18 @@ def ensure_tokenizer(config: ExperimentConfig, directory: str, reuse: bool = Fal
             return _ready_tokenizer(config, kept, "this run's tokenizer")
 
     with local_dir_for(directory) as local:  # run storage may be a URI: written locally, then copied there
-        tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size, save_dir=local)
-        with open(os.path.join(local, TOKENIZER_REQUEST), "w") as f:
-            json.dump(_tokenizer_request(config), f, indent=2)
+        # Saved beside, then moved in with tokenizer.json last: a process killed mid-save left a tokenizer.json cut
+        # short, which every later run under the name reused (the chaos review).
+        staging = tempfile.mkdtemp(dir=local, prefix=".tokenizer-partial-")
+        try:
+            tokenizer = train_tokenizer(corpus_texts(config), vocab_size=config.tokenizer.vocab_size,
+                                        save_dir=staging)
+            with open(os.path.join(staging, TOKENIZER_REQUEST), "w") as f:
+                json.dump(_tokenizer_request(config), f, indent=2)
+            for name in sorted(os.listdir(staging), key=lambda name: name == "tokenizer.json"):
+                os.replace(os.path.join(staging, name), os.path.join(local, name))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return ensure_pad_token(tokenizer)
 
 

@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import os
 import time
 import uuid
@@ -29,6 +30,9 @@ def check_train_loop(fn: Callable) -> None:
     """Fail on the driver, not in N workers, when the loop cannot be called as fn() or fn(config)."""
     if not callable(fn):
         raise TypeError(f"train_loop_per_worker must be a function, got {type(fn).__name__}.")
+    if inspect.isclass(fn):  # Ray would call it, make an instance in every worker, and train nothing
+        raise TypeError(f"train_loop_per_worker is the class {fn.__qualname__}; calling it only builds an instance. "
+                        f"Pass a function, or an instance whose __call__ runs the loop ({fn.__qualname__}(...)).")
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     required = [
         p.name
@@ -81,6 +85,11 @@ def check_run_settings(train_loop_config, scaling_config, run_config):
     if not isinstance(scaling_config, ScalingConfig):
         raise TypeError(f"scaling_config must be a ray.train.ScalingConfig, got a {type(scaling_config).__name__}; "
                         "e.g. ScalingConfig(num_workers=2)")
+    for name, amount in (scaling_config.resources_per_worker or {}).items():
+        # Ray takes any number here, and a negative one then fails every worker group's placement, retried
+        if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or not amount >= 0:
+            raise ValueError(f"ScalingConfig(resources_per_worker={scaling_config.resources_per_worker}): {name!r} "
+                             f"must be a number of at least 0, got {amount!r}; e.g. {{'CPU': 1}}")
     if run_config is None:
         return None
     if not isinstance(run_config, RunConfig):

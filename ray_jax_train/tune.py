@@ -113,7 +113,15 @@ class TuneOutcome:
                                     f"(its run directory: {self.best_run_dir}).")
         from ray_jax_train.lm.state import restore_params
         from ray_jax_train.mesh import make_mesh
+        from ray_jax_train.storage import exists
         from ray_jax_train.text import load_tokenizer
+
+        if not exists(self.best_checkpoint):  # deleted by hand, or its storage moved since the search
+            raise FileNotFoundError(
+                f"The best trial's checkpoint {self.best_checkpoint} no longer exists. Its run directory "
+                f"{self.best_run_dir} may hold others: `ray-jax-train export {self.best_run_dir} OUT` exports its "
+                "latest as a Hugging Face directory (ray_jax_train.from_pretrained(OUT) loads it); or run the search "
+                "again.")
 
         model_config = self.best_config.llama_config(load_tokenizer(self.tokenizer_path))
         # Over this process's default devices (the GPUs on a GPU machine), as a fresh model would be.
@@ -413,16 +421,7 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         detail = f" First error: {errors[0]}" if errors else ""
         raise RuntimeError(f"No trial finished with a finite {tune_cfg.metric!r}; {len(errors)} of {len(results)} "
                            f"failed.{detail}")
-    warning = None
-    if not trained_to_end(best, total_steps):
-        warning = (f"no trial trained to the end; this is the best of those the scheduler stopped early (at step "
-                   f"{best.metrics.get('step')} of {_trial_total_steps(best, total_steps)})")
-        if errors:
-            warning += (f", and {len(errors)} failed: `tune --resume-errored` (resume_errored=True) runs them again "
-                        "from their latest checkpoints")
-    elif errors:  # the best is of the others: a failed trial (its trial actor lost, say) might have beaten it
-        warning = (f"{len(errors)} of {len(results)} trials failed, so the best is of the rest; `tune --resume-errored`"
-                   " (resume_errored=True) runs them again from their latest checkpoints")
+    warning = best_warning(best, len(errors), len(results), total_steps)
     if warning:
         logger.warning("The search in %s: %s.", experiment_dir, warning)
     best_config = parse_config(_merge(base_data, best.config))
@@ -449,6 +448,21 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
 # What makes a directory a search that Tune restores and `restore_best` reads, as opposed to its trials' outputs.
 _SEARCH_STATE = ("tuner.pkl", "experiment_state-*", "basic-variant-state-*", "searcher-state-*",
                  "search_gen_state-*", SEARCH_CONFIG, "best.json", BEST_CONFIG)
+
+
+def best_warning(best, failed: int, trials: int, total_steps: Optional[int]) -> Optional[str]:
+    """What makes the best trial a doubtful winner, with what to do about it; None when nothing does."""
+    if not trained_to_end(best, total_steps):
+        warning = (f"no trial trained to the end; this is the best of those the scheduler stopped early (at step "
+                   f"{best.metrics.get('step')} of {_trial_total_steps(best, total_steps)})")
+        if failed:
+            warning += (f", and {failed} failed: `tune --resume-errored` (resume_errored=True) runs them again "
+                        "from their latest checkpoints")
+        return warning
+    if failed:  # the best is of the others: a failed trial (its trial actor lost, say) might have beaten it
+        return (f"{failed} of {trials} trials failed, so the best is of the rest; `tune --resume-errored` "
+                "(resume_errored=True) runs them again from their latest checkpoints")
+    return None
 
 
 def set_aside_search_state(experiment_dir: str) -> str:

@@ -618,6 +618,22 @@ def test_config_mistakes_that_passed_silently_or_failed_late(tmp_path, monkeypat
     assert ensure_tokenizer(changed, str(tmp_path / "tok"), reuse=True)(text)["input_ids"] == saved(text)["input_ids"]
     retrained = ensure_tokenizer(changed, str(tmp_path / "tok2"))
     assert retrained(text)["input_ids"] != saved(text)["input_ids"]  # what a resume used to get
+    assert sorted(os.listdir(tmp_path / "tok2")) == sorted(os.listdir(tmp_path / "tok"))  # no staging left behind
+    # A save cut short (the process killed mid-write) leaves no tokenizer.json for the next run to reuse: it is
+    # written beside and moved in last. The failure is injected into the real save, after its first file.
+    import ray_jax_train.text as text_lib
+
+    real_save = text_lib.train_tokenizer
+
+    def killed_mid_save(texts, vocab_size, save_dir):
+        real_save(texts, vocab_size=vocab_size, save_dir=save_dir)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(text_lib, "train_tokenizer", killed_mid_save)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_tokenizer(changed, str(tmp_path / "tok3"))
+    assert os.listdir(tmp_path / "tok3") == []
+    monkeypatch.setattr(text_lib, "train_tokenizer", real_save)
     # Another tokenizer.vocab_size is refused on resume: the reused tokenizer silently ignored it.
     bigger = parse_config({"data": {"max_docs": 20}, "tokenizer": {"vocab_size": 400}})
     with pytest.raises(ConfigError, match=r"tokenizer.vocab_size is 400, but .* vocab_size 300.* back to 300"):

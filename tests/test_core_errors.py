@@ -192,6 +192,13 @@ def test_train_loop_with_two_arguments_is_rejected():
 
     rjt.JaxTrainer(defaulted)
 
+    class Loop:  # Ray would build one per worker and train nothing (a Python API review)
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError, match="is the class .*Loop; calling it only builds an instance"):
+        rjt.JaxTrainer(Loop)
+
 
 def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refused():
     """A torch user's review: a numpy array in datasets= failed in every worker as "'numpy.ndarray' object has no
@@ -218,6 +225,12 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
         rjt.JaxTrainer(loop, run_config={"name": "x"})
     with pytest.raises(TypeError, match="train_loop_config must be a dict"):
         rjt.JaxTrainer(loop, train_loop_config=[1, 2])
+    from ray.train import ScalingConfig
+
+    for bad in (-1, "1", None, True):  # a negative count was retried for ever as a placement Ray could never make
+        with pytest.raises(ValueError, match=r"'CPU' must be a number of at least 0, got"):
+            rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": bad}))
+    rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": np.float64(0.5)}))
     with pytest.raises(ValueError, match="is a file, not a directory"):
         rjt.JaxTrainer(loop, run_config=RunConfig(storage_path=__file__))
     relative = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path="runs"))

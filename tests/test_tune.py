@@ -6,6 +6,7 @@ The searches run through `ray-jax-train tune` in a subprocess with its own priva
 placement-group cleanup after a trial is stopped needs the state API, which the session cluster does not serve.
 """
 import copy
+import dataclasses
 import glob
 import json
 import logging
@@ -82,7 +83,7 @@ def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings
     from ray.tune import Result  # what Tune's ResultGrid holds
 
     from ray_jax_train.run_config import parse_config
-    from ray_jax_train.tune import TuneOutcome, best_result, latest_checkpoint, trained_to_end
+    from ray_jax_train.tune import TuneOutcome, best_result, best_warning, latest_checkpoint, trained_to_end
 
     def result(loss, step, error=None, checkpoints=(), **training):
         reports = [{"step": s, "checkpoint_path": c} for s, c in checkpoints] + [{"step": step}]
@@ -93,6 +94,11 @@ def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings
     stopped = result(5.7, 8, checkpoints=[(5, "/runs/s-t8/checkpoint_5")])
     failed = result(4.8, 26, error=RuntimeError("WorkerHealthCheckFailedError"))
     assert best_result([failed, stopped], "loss", "min", 60) is stopped  # the fallback, which the caller flags
+    assert "no trial trained to the end" in best_warning(stopped, 1, 2, 60) and "--resume-errored" in best_warning(
+        stopped, 1, 2, 60)
+    # A finished best beside a failed trial (its actor lost, say): that one might have won, and nothing said so.
+    assert best_warning(result(5.0, 60), 1, 3, 60).startswith("1 of 3 trials failed, so the best is of the rest")
+    assert best_warning(result(5.0, 60), 0, 3, 60) is None
     assert not trained_to_end(stopped, 60)
     finished, better_but_stopped = result(5.0, 60), result(4.0, 30)
     assert best_result([better_but_stopped, finished, stopped], "loss", "min", 60) is finished
@@ -113,6 +119,9 @@ def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings
     assert reason == "it ended at step 3, before its first save at step 5 (training.save_steps)", reason
     with pytest.raises(FileNotFoundError, match=r"ended at step 3, before its first save.*run directory: /runs/s-t"):
         outcome(3, save_steps=5).restore_best_params()
+    gone = dataclasses.replace(outcome(60), best_checkpoint=str(tmp_path / "checkpoint_60_deleted"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_60_deleted no longer exists.*ray-jax-train export "):
+        gone.restore_best_params()  # a best.json naming a checkpoint deleted by hand (a deletion review)
 
 
 def test_trials_that_together_hold_the_cpus_their_workers_need_are_refused(monkeypatch):
