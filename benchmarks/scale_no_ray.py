@@ -10,6 +10,9 @@ batch 16 per process, the built-in loop's jitted step (with its one flat gradien
 `--independent` also runs 2 processes that share nothing (each the 1-process program, no jax.distributed, no
 all-reduce), summed: what the two cores give the step when only the machine is shared (caches, memory bus), so
 (d)'s gap splits into the machine's part and the collective's part.
+
+`SCALE_NO_RAY_FIRST_CPU=N` pins rank r to the (N+r)-th usable CPU instead of the r-th (is CPU 0, which takes the
+host's interrupts, the slow one? Session 35: no).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def child(rank: int, processes: int, port: int, steps: int, warmup: int, log_every: int, size: dict,
           independent: bool = False) -> None:
     usable = sorted(os.sched_getaffinity(0))  # in a container held to cores 4-7, core 0 is not ours
-    os.sched_setaffinity(0, [usable[rank % len(usable)]])
+    first = int(os.environ.get("SCALE_NO_RAY_FIRST_CPU", "0"))  # which usable CPU rank 0 gets (CPU 0 takes IRQs)
+    os.sched_setaffinity(0, [usable[(first + rank) % len(usable)]])
     if independent:  # each process trains alone on its core; only the machine is shared
         rank, processes = 0, 1
     sys.path.insert(0, HERE)
