@@ -24,6 +24,7 @@ import math
 import os
 import shlex
 import sys
+import uuid
 from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, ConfigError, ExperimentConfig,
@@ -364,6 +365,8 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         None if is_uri(storage) else os.path.join(storage, name, "compilation_cache"))
     shared_cache = absolute(shared_cache) if shared_cache else None
 
+    attempt = uuid.uuid4().hex  # this call's: a resume (`--resume-errored`) runs failed trials again on purpose
+
     def trial(trial_space: Dict[str, Any]) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
         if shared_cache:
@@ -373,11 +376,16 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
             quiet_data_context()
             sys.unraisablehook = _exits_are_not_errors
         context = tune.get_context()
+        run_name = f"{name}-{context.get_trial_id()}"
+        refuse_a_failed_trial_again(join(storage, run_name), attempt)
         trial_config = parse_config(_merge(base_data, trial_space))
-        trainer, _ = build_trainer(trial_config, run_name=f"{name}-{context.get_trial_id()}",
-                                   callbacks=[TuneReportCallback()], quiet=quiet,
+        trainer, _ = build_trainer(trial_config, run_name=run_name, callbacks=[TuneReportCallback()], quiet=quiet,
                                    progress_label=f"trial {context.get_trial_id()}")
-        trainer.fit()
+        try:
+            trainer.fit()
+        except Exception as exc:
+            record_trial_failure(join(storage, run_name), attempt, exc)
+            raise
 
     trainable = tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus})
     if resuming:
@@ -402,7 +410,10 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
                                         max_concurrent_trials=tune_cfg.max_concurrent_trials,
                                         scheduler=_scheduler(tune_cfg, trial_lengths(total_steps,
                                                                                     tune_cfg.param_space)[0])),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
+            # A trial whose actor is lost (its node, say) runs again and its Train run resumes from its checkpoint;
+            # one whose training failed is not run again (`refuse_a_failed_trial_again`).
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=trial_retries(base))),
         )
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step
     # on), and Tune's strict check would stop the whole search at the first report without its metric; its
@@ -448,6 +459,39 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
 # What makes a directory a search that Tune restores and `restore_best` reads, as opposed to its trials' outputs.
 _SEARCH_STATE = ("tuner.pkl", "experiment_state-*", "basic-variant-state-*", "searcher-state-*",
                  "search_gen_state-*", SEARCH_CONFIG, "best.json", BEST_CONFIG)
+
+
+TRIAL_FAILURE = "trial_failure.json"
+
+
+def trial_retries(config: ExperimentConfig) -> int:
+    """How often Tune runs a trial again whose actor was lost: `run.max_failures`, as Train restarts lost workers;
+    its "for ever" (-1) is 10 here, since a trial that fails each time must end (each retry of one is quick)."""
+    return 10 if config.run.max_failures < 0 else config.run.max_failures
+
+
+def record_trial_failure(run_dir: str, attempt: str, exc: BaseException) -> None:
+    """Note in the trial's run directory that its training failed in this search call (Train's own retries, if
+    any, are spent by then), so that Tune's retry, meant for a lost trial actor, does not train it again."""
+    try:
+        with local_dir_for(run_dir) as local:
+            with open(os.path.join(local, TRIAL_FAILURE), "w") as f:
+                json.dump({"attempt": attempt, "error": f"{type(exc).__name__}: {exc}"[:2000]}, f)
+    except Exception:  # noqa: BLE001 - unrecorded, a retry trains again: slower, never wrong
+        logger.warning("Could not record the trial's failure in %s; a retry will train it again.", run_dir)
+
+
+def refuse_a_failed_trial_again(run_dir: str, attempt: str) -> None:
+    """Raise at once where this trial's training already failed in this search call: Tune retries every failed
+    trial, and a training failure (a NaN, a bug, Train's retries spent) would only fail again, after training."""
+    try:
+        failure = json.loads(read_text(join(run_dir, TRIAL_FAILURE)))
+    except (FileNotFoundError, ValueError):
+        return
+    if failure.get("attempt") == attempt:
+        raise RuntimeError(f"{failure.get('error')} (this trial's training failed earlier in this search, so it is "
+                           "not run again; Tune retries trials for lost trial actors. `tune --resume-errored` runs it "
+                           "again from its latest checkpoint.)")
 
 
 def best_warning(best, failed: int, trials: int, total_steps: Optional[int]) -> Optional[str]:

@@ -123,6 +123,17 @@ def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings
     with pytest.raises(FileNotFoundError, match=r"checkpoint_60_deleted no longer exists.*ray-jax-train export "):
         gone.restore_best_params()  # a best.json naming a checkpoint deleted by hand (a deletion review)
 
+    # Tune retries a failed trial for a lost actor; one whose training failed fails again at once, in this search
+    # call only (a resume with --resume-errored trains it again).
+    from ray_jax_train.tune import record_trial_failure, refuse_a_failed_trial_again
+
+    run_dir = str(tmp_path / "search-t1")
+    refuse_a_failed_trial_again(run_dir, "call-1")  # nothing recorded: it trains
+    record_trial_failure(run_dir, "call-1", FloatingPointError("loss is nan at step 7"))
+    with pytest.raises(RuntimeError, match=r"FloatingPointError: loss is nan at step 7 \(this trial's training failed"):
+        refuse_a_failed_trial_again(run_dir, "call-1")
+    refuse_a_failed_trial_again(run_dir, "call-2")
+
 
 def test_trials_that_together_hold_the_cpus_their_workers_need_are_refused(monkeypatch):
     """A review: 2 trials at once, each holding 0.1 CPU, left 3.8 of 4 CPUs for a 3.85-CPU worker, and the search hung
@@ -382,7 +393,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     config = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
     config["data"]["max_docs"] = 30
     config["training"].update(log_steps=2, save_steps=4)
-    config["run"]["storage_path"] = str(tmp_path)
+    config["run"].update(storage_path=str(tmp_path), max_failures=1)  # a lost trial actor is retried once
     # The long middle trial is interrupted after its first checkpoint; the last has not started by then.
     config["tune"] = {"name": "resumable", "param_space": {"training.total_steps": {"grid_search": [4, 40, 6]}},
                       "max_concurrent_trials": 1, "scheduler": {"type": "fifo"}}
@@ -425,19 +436,59 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     assert "training.learning_rate: 0.0003 -> 0.01" in err and "search_config.json" in err, err
     assert can_resume(parse_config(json.loads((experiment / "search_config.json").read_text())))
 
-    done = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "trials:      3 (0 failed" in done.stdout and "Resuming the search" in done.stderr, done.stdout[-3000:]
-    assert re.search(r"trials:      3 \(0 failed; \d+s since the resume\)", done.stdout), done.stdout[-3000:]
+    # The resume, with the long trial's actor SIGKILLed once it trains again (its node lost, say): Tune runs the
+    # trial again and its Train run resumes from its latest checkpoint. Before, the trial failed for good.
+    lines_before = len((long / "metrics.jsonl").read_text().splitlines())
+    resumed_log = tmp_path / "resumed.log"
+    with open(resumed_log, "w") as out:
+        search = subprocess.Popen(command + ["--resume"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        try:
+            killed = []
+            while not killed:
+                assert search.poll() is None, resumed_log.read_text()[-5000:]
+                assert time.time() - started < 500, resumed_log.read_text()[-5000:]
+                if len((long / "metrics.jsonl").read_text().splitlines()) > lines_before:
+                    for pid in _trial_actors_of(search.pid):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                time.sleep(0.1)
+            assert search.wait(timeout=400) == 0, resumed_log.read_text()[-5000:]
+        finally:
+            if search.poll() is None:
+                search.kill()
+    resumed = resumed_log.read_text()
+    assert "trials:      3 (0 failed" in resumed and "Resuming the search" in resumed, resumed[-3000:]
+    assert re.search(r"trials:      3 \(0 failed; \d+s since the resume\)", resumed), resumed[-3000:]
     # The finished trial was not run again, and no trial got a new id (a new Train run).
     assert (short / "metrics.jsonl").read_text() == short_records
     assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
     assert len(list(experiment.glob("trial_*"))) == 3 and len(list(tmp_path.glob("resumable-*"))) == 3
     # The interrupted trial resumed from its checkpoint: step 2 (before the first checkpoint) was trained once.
-    steps = [json.loads(line)["step"] for line in (long / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (long / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
     assert steps.count(2) == 1 and steps[-1] == 40 and sorted(set(steps)) == list(range(2, 41, 2)), steps
+    # Three attempts of the long trial's run, each from the checkpoint the one before saved last.
+    starts = [r["start_step"] for r in records if "start_step" in r]
+    assert len(starts) == 3 and starts[0] == 0 and 0 < starts[1] <= starts[2] and starts[2] % 4 == 0, starts
     best = json.loads((experiment / "best.json").read_text())
     assert best["config"]["training"]["total_steps"] == 40 and os.path.isdir(best["checkpoint"])
+
+
+def _trial_actors_of(driver_pid):
+    """Tune's trial actor processes of the Ray that the process `driver_pid` started (its raylet's workers)."""
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::ImplicitFunc") and parent(parent(int(entry))) == driver_pid:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def cache_dir_loop(config):
