@@ -279,8 +279,9 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
         train_loop_config={"arguments": args.model_dump(), "model_config": CONFIG.model_dump(), "total_steps": steps,
                            "record_dir": str(record)},
         scaling_config=ScalingConfig(num_workers=2),
-        # The kill fires before the step-5 save; after it the survivor's jax.distributed shutdown waits briefly.
-        jax_config=rjt.JaxConfig(num_cpu_devices=2, env_vars={FAULTS_ENV: "sigkill@5:1"}, shutdown_timeout_s=5),
+        # The kill fires before the step-5 save; after it the survivor's jax.distributed shutdown waits briefly (the
+        # whole timeout: its peer is dead).
+        jax_config=rjt.JaxConfig(num_cpu_devices=2, env_vars={FAULTS_ENV: "sigkill@5:1"}, shutdown_timeout_s=2),
         run_config=RunConfig(name="parity", storage_path=str(tmp_path / "storage"),
                              failure_config=FailureConfig(max_failures=1)),
         datasets={"train": dataset},
