@@ -3,6 +3,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -13,39 +15,47 @@ def _load_suite():
     return module
 
 
-def test_suite_smoke_writes_json_table_and_chart(ray_cluster, tmp_path):
-    suite = _load_suite()
-    # The cheapest part that still goes through Ray: the bare step and the built-in loop on JaxTrainer, and one
-    # real restart of it (a SIGKILL at its first report).
-    report = suite.main(["--smoke", "--variants", "bare", "ours", "ours_restart", "--no-checkpoint",
-                         "--out", str(tmp_path)])
+# The cheapest part that still goes through Ray: the bare step and the built-in loop on JaxTrainer, and one real
+# restart of it (a SIGKILL at its first report); and (d)'s split, the 2-process half: the data-parallel step in 2
+# pinned processes of their own (jax.distributed + gloo, no Ray) and in 2 pinned JaxTrainer workers; both have to
+# train through a real cross-process all-reduce.
+SMOKE_VARIANTS = ("bare", "ours", "ours_restart", "bare2", "in_worker2")
 
-    with open(tmp_path / "suite.json") as f:
+
+@pytest.fixture(scope="module")
+def smoke_run(ray_cluster, tmp_path_factory):
+    """One `suite.py --smoke` run of the variants both tests below read (they were two runs): each run builds its
+    dataset and writes its report, table and chart once, however many variants it has."""
+    suite = _load_suite()
+    out = tmp_path_factory.mktemp("suite_smoke")
+    report = suite.main(["--smoke", "--variants", *SMOKE_VARIANTS, "--no-checkpoint", "--out", str(out)])
+    return report, out
+
+
+def test_suite_smoke_writes_json_table_and_chart(smoke_run):
+    report, out = smoke_run
+    with open(out / "suite.json") as f:
         saved = json.load(f)
     assert saved["summary"] == json.loads(json.dumps(report["summary"]))
     overhead = saved["summary"]["overhead"]
     assert overhead["n"] == 1 and overhead["min"] <= overhead["median"] <= overhead["max"]
     assert overhead["median"] > 0 and overhead["target"] == 0.98 and isinstance(overhead["met"], bool)
-    assert set(saved["variants"]) == {"bare", "ours", "ours_restart"}
+    assert set(saved["variants"]) == set(SMOKE_VARIANTS)
     assert saved["variants"]["ours"]["startup_s"]["median"] > 0
     assert saved["variants"]["ours_restart"]["restart_s"]["median"] > 0
-    table = (tmp_path / "suite.md").read_text()
+    table = (out / "suite.md").read_text()
     assert "| (a) overhead: ours / bare process |" in table and "| ours |" in table
-    assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_suite_smoke_splits_scaling_into_machine_ray_and_ours(ray_cluster, tmp_path):
-    suite = _load_suite()
-    # (d)'s split, the 2-process half: the data-parallel step in 2 pinned processes of their own (jax.distributed +
-    # gloo, no Ray) and in 2 pinned JaxTrainer workers; both have to train through a real cross-process all-reduce.
-    report = suite.main(["--smoke", "--variants", "bare2", "in_worker2", "--no-checkpoint", "--out", str(tmp_path)])
-
-    assert set(report["variants"]) == {"bare2", "in_worker2"}
+def test_suite_smoke_splits_scaling_into_machine_ray_and_ours(smoke_run):
+    report, out = smoke_run
+    assert set(report["variants"]) == set(SMOKE_VARIANTS)
     for name in ("bare2", "in_worker2"):
         assert report["variants"][name]["tokens_per_s"]["median"] > 0
     share = report["summary"]["scale2_ray_share"]
     assert share["n"] == 1 and share["median"] > 0 and share["target"] is None
-    table = (tmp_path / "suite.md").read_text()
+    table = (out / "suite.md").read_text()
     assert "| (d) split, 2 workers: step in pinned workers / in pinned processes |" in table
 
 

@@ -63,6 +63,19 @@ def one_step_args(tmp_path, name):
                              save_final_model=False, resume_if_possible=False)
 
 
+def numpy_model(trainer, seed):
+    """The trainer's model (scale 1) with random weights from numpy, the same in every process: no eager JAX init,
+    which compiles every random op (over a second in a fresh process)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = trainer.create_model(scaling_index=1, lazy=True)
+    rng = np.random.default_rng(seed)
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(0.02 * rng.standard_normal(x.shape), x.dtype),
+                                   nnx.state(model)))
+    return model
+
+
 def flat(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
 
@@ -187,13 +200,14 @@ def test_checkpoint_path_branch_starts_from_the_checkpoint(scratch_run, tokenize
     assert [getattr(own, k) for k in SCALING] == [getattr(expected, k) for k in SCALING]
 
 
-def test_model_branch_starts_from_the_given_model(ray_cluster, tokenizer_dir, tmp_path):
-    trainer = make_trainer(tokenizer_dir, record_dir=tmp_path / "record")
-    model = trainer.create_model(trainer.create_config(1).replace(seed=7))
-    _, params = split_model(model)
-    trainer.train(1, one_step_args(tmp_path, "model"), packed_rows(), model=model, verbose=True)
-    assert_same_params(tmp_path / "record" / "initial_params.npz", flat(params))
-    assert json.loads((tmp_path / "record" / "logging.json").read_text()) == {"train_reports_at_info": True}
+def test_model_branch_starts_from_the_given_model(small_ray_run, tokenizer_dir):
+    """The run that test_raw_text_trains_on_a_ray_with_one_cpu_beyond_the_workers needs anyway (`small_ray_run`, on
+    a Ray of its own) starts from a given model: one fit fewer."""
+    done, record = small_ray_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    trainer = make_trainer(tokenizer_dir)
+    _, params = split_model(numpy_model(trainer, seed=7))  # as the script's
+    assert_same_params(record / "initial_params.npz", flat(params))
     # Not the default init: the check above could not pass by accident.
     _, default = split_model(trainer.create_model(scaling_index=1))
     assert not np.allclose(flat(default)["['lm_head']['kernel']"], flat(params)["['lm_head']['kernel']"])
@@ -206,8 +220,10 @@ def test_state_branch_wins_over_model_and_checkpoint(ray_cluster, tokenizer_dir,
     other_model = trainer.create_model(config.replace(seed=7))
     with caplog.at_level(logging.WARNING, logger="ray_jax_train.lm.distributed_trainer"):
         trainer.train(1, one_step_args(tmp_path, "state"), packed_rows(), model=other_model,
-                      state={"params": state_params, "step": 0})
+                      state={"params": state_params, "step": 0}, verbose=True)
     assert_same_params(tmp_path / "record" / "initial_params.npz", flat(state_params))
+    # verbose: Train's line per report is left on in the workers (the scratch run checks the quiet default).
+    assert json.loads((tmp_path / "record" / "logging.json").read_text()) == {"train_reports_at_info": True}
     # The checkpoint left unread is said on the driver (a review: only a worker's INFO line told).
     assert f"The given state is trained: checkpoint_path={tokenizer_dir} is not read" in caplog.text
 
@@ -438,26 +454,37 @@ def test_training_data_short_of_a_batch_fails_on_the_driver_with_total_steps(ray
 _SMALL_RAY_SCRIPT = """
 import json, sys
 import ray
-from test_distributed_trainer import make_trainer, sentences, one_step_args
+from test_distributed_trainer import make_trainer, numpy_model, sentences, one_step_args
 import pathlib
 ray.init(num_cpus=2, include_dashboard=False)  # as `ray.init()` on a 2-core machine
 tmp = pathlib.Path(sys.argv[2])
 (tmp / "train.jsonl").write_text("".join(json.dumps(row) + "\\n" for row in sentences(200)))
 args = one_step_args(tmp, "small").model_copy(update={"num_workers": 1})
-result = make_trainer(sys.argv[1]).train(1, args, str(tmp / "train.jsonl"))  # read by Ray Data tasks
+trainer = make_trainer(sys.argv[1], record_dir=tmp / "record")
+model = numpy_model(trainer, seed=7)  # test_model_branch_starts_from_the_given_model
+result = trainer.train(1, args, str(tmp / "train.jsonl"), model=model)  # read by Ray Data tasks
 print("RESULT", json.dumps({"error": repr(result.error) if result.error else None}))
 """
 
 
-def test_raw_text_trains_on_a_ray_with_one_cpu_beyond_the_workers(tokenizer_dir, tmp_path):
-    """1 worker on a 2-CPU Ray: streamed, the tokenizer actor held the other CPU and the read task never ran (the
-    run waited forever). It is tokenised before training instead."""
+@pytest.fixture(scope="module")
+def small_ray_run(tokenizer_dir, tmp_path_factory):
+    """`_SMALL_RAY_SCRIPT` in a process of its own, with a Ray of its own: 1 worker trains 1 step from raw text,
+    starting from a given model. Two tests read the one run (a fit costs seconds before its first step)."""
     import subprocess
 
+    tmp = tmp_path_factory.mktemp("small_ray")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _SMALL_RAY_SCRIPT, tokenizer_dir, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-c", _SMALL_RAY_SCRIPT, tokenizer_dir, str(tmp)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp)
+    return done, tmp / "record"
+
+
+def test_raw_text_trains_on_a_ray_with_one_cpu_beyond_the_workers(small_ray_run):
+    """1 worker on a 2-CPU Ray: streamed, the tokenizer actor held the other CPU and the read task never ran (the
+    run waited forever). It is tokenised before training instead."""
+    done, _ = small_ray_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert 'RESULT {"error": null}' in done.stdout, done.stdout[-3000:]
 

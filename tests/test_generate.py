@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 
 from ray_jax_train.cli import main
@@ -76,6 +74,11 @@ def test_cached_greedy_equals_recomputing_the_whole_sequence():
 
 
 def test_greedy_tokens_match_transformers_generate(model, prompts, greedy, tmp_path):
+    # Imported here, not at the top: the 2 Ray workers of tests/test_sharding.py import this module (its model and
+    # prompts, for generation over both), and torch with transformers took each of them over a second.
+    import torch
+    import transformers
+
     save_pretrained(model, tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids, mask = prompts
@@ -105,8 +108,9 @@ def test_eos_ends_a_row_and_pads_after_it(model, prompts, greedy):
         assert (row[end:] == -1).all()
     assert (out[0, 3:] == -1).all()
     # Like transformers' generate, the config's eos is the default; [] never stops (it ran past the config's eos).
+    # Both on with_eos (the same weights, that eos in its config), so one compiled program serves the two calls.
     with_eos = random_model(eos_token_id=eos)
-    stopped = np.asarray(generate(model, *prompts, max_new_tokens=12, eos_token_id=eos, pad_token_id=-1))
+    stopped = np.asarray(generate(with_eos, *prompts, max_new_tokens=12, eos_token_id=eos, pad_token_id=-1))
     assert (stopped == -1).any()  # the eos does come up, so the default below is seen to stop
     np.testing.assert_array_equal(np.asarray(generate(with_eos, *prompts, max_new_tokens=12, pad_token_id=-1)),
                                   stopped)
@@ -200,17 +204,18 @@ def test_cli_generate_prints_the_completion(model_dir):
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
     # The model directory itself works as well; mistakes exit 2 with a message.
-    assert main(["generate", str(run / "final_model"), "--prompt", "Hi", "--chat", "--max-new-tokens", "4"]) == 0
+    chat_hi = ["--prompt", "Hi", "--chat", "--max-new-tokens", "4"]  # the calls below reuse its compiled program
+    assert main(["generate", str(run / "final_model"), *chat_hi]) == 0
     assert main(["generate", str(run), "--prompt", "Hi", "--top-p", "2"]) == 2
     # Without --max-new-tokens: 64, or what max_position_embeddings (64 here) leaves after the prompt.
     assert main(["generate", str(run), "--prompt", "Once upon a time"]) == 0
     assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2
     # As the summary of a run with file:// storage names it, and with a quoted `~` (a review: both were refused).
-    assert main(["generate", (run / "final_model").as_uri(), "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", (run / "final_model").as_uri(), *chat_hi]) == 0
     home = os.path.dirname(str(run))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HOME", home)
-        assert main(["generate", "~/" + run.name, "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+        assert main(["generate", "~/" + run.name, *chat_hi]) == 0
     assert main(["generate", "s3://bucket/run", "--prompt", "Hi"]) == 2
 
 
@@ -242,30 +247,6 @@ def test_generation_config_eos_ends_the_cli_completion(model_dir, tmp_path, caps
     assert "generation_config.json: eos_token_id '</s>' is not a token id" in capsys.readouterr().err
 
 
-def two_process_generate_loop(config):
-    """Each worker builds the same weights, shards them over both processes' devices and generates."""
-    from jax.experimental import multihost_utils
-
-    from ray_jax_train import llama_partition_rules, make_mesh, shard_by_rules
-
-    graphdef, state = nnx.split(random_model())
-    sharded = nnx.merge(graphdef, shard_by_rules(state, make_mesh({"fsdp": -1}), llama_partition_rules()))
-    assert {len(x.sharding.device_set) for x in jax.tree.leaves(nnx.state(sharded))} == {2}
-    tokens = generate(sharded, *left_padded([7, 3, 5], 7), max_new_tokens=12)
-    tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
-    if jax.process_index() == 0:
-        np.save(config["out"], tokens)
-
-
-def test_a_model_sharded_over_two_worker_processes_generates_the_same_tokens(ray_cluster, greedy, tmp_path):
-    """Generation in a 2-process jax.distributed job (a loop sampling from its model mid-training): the weights
-    split over both workers, the KV-cached decode's collectives go through gloo. Checked by hand before."""
-    from ray.train import RunConfig, ScalingConfig
-
-    import ray_jax_train as rjt
-
-    out = tmp_path / "tokens.npy"
-    rjt.JaxTrainer(two_process_generate_loop, train_loop_config={"out": str(out)},
-                   scaling_config=ScalingConfig(num_workers=2),
-                   run_config=RunConfig(name="generate", storage_path=str(tmp_path))).fit()
-    np.testing.assert_array_equal(np.load(out), greedy)
+# Generation over two worker processes (weights split over both, the decode's collectives through gloo):
+# test_a_model_sharded_over_two_worker_processes_generates_the_same_tokens in tests/test_sharding.py, whose 2-worker
+# fit runs it beside the layouts, with this module's model and prompts.

@@ -1,6 +1,6 @@
 """Model parallelism: partition rules, their errors, hybrid meshes, activation sharding in the compiled HLO,
 and dp / fsdp / dp x fsdp / fsdp x tp (and sp) layouts matching a single-device run, in one process and on two
-real Ray workers."""
+real Ray workers (whose fit also carries test_generate's generation over both processes)."""
 import json
 import os
 import re
@@ -356,7 +356,8 @@ def test_hlo_check_catches_gathers_without_the_model_constraints():
 
 
 def layouts_loop(config):
-    """Runs in each worker: every layout in turn, with the results written by rank 0 (bytes by every rank)."""
+    """Runs in each worker: every layout in turn, with the results written by rank 0 (bytes by every rank); then
+    `generate_over_both_processes` (a 2-worker fit costs seconds before its loop starts: one carries both)."""
     cfg = tiny_config()
     mesh = rjt.get_mesh()  # JaxConfig(mesh=..., dcn_mesh=...) reaches the loop as a hybrid mesh over hosts
     assert dict(mesh.shape) == dict(config["layouts"][0])
@@ -379,20 +380,46 @@ def layouts_loop(config):
             np.savez(os.path.join(config["out"], f"params{len(out['layouts']) - 1}.npz"), **flat(params))
     with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
+    generate_over_both_processes(os.path.join(config["out"], "tokens.npy"))
 
 
-def test_two_workers_four_layouts_match_single_device(ray_cluster, tmp_path, reference):
+def generate_over_both_processes(out: str):
+    """Each worker builds test_generate's weights, shards them over both processes' devices and generates."""
+    from jax.experimental import multihost_utils
+
+    import test_generate as G
+
+    graphdef, state = nnx.split(G.random_model())
+    sharded = nnx.merge(graphdef, S.shard_by_rules(state, make_mesh({"fsdp": -1}), S.llama_partition_rules()))
+    leaves = jax.tree.leaves(nnx.state(sharded))
+    assert {len(x.sharding.device_set) for x in leaves} == {jax.device_count()}  # 2 per process here
+    assert {d.process_index for x in leaves for d in x.sharding.device_set} == {0, 1}
+    tokens = G.generate(sharded, *G.left_padded([7, 3, 5], 7), max_new_tokens=12)
+    tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+    if jax.process_index() == 0:
+        np.save(out, tokens)
+
+
+@pytest.fixture(scope="module")
+def two_workers(ray_cluster, tmp_path_factory):
+    """One fit of `layouts_loop` on 2 workers x 2 CPU devices; its outputs directory."""
     from ray.train import RunConfig, ScalingConfig
 
-    out = tmp_path / "out"
+    tmp = tmp_path_factory.mktemp("two_workers")
+    out = tmp / "out"
     out.mkdir()
     trainer = rjt.JaxTrainer(
         layouts_loop, train_loop_config={"out": str(out), "layouts": RAY_LAYOUTS},
         scaling_config=ScalingConfig(num_workers=2),
         jax_config=rjt.JaxConfig(num_cpu_devices=2, mesh=RAY_LAYOUTS[0], dcn_mesh={"dp": 2}),
-        run_config=RunConfig(storage_path=str(tmp_path / "storage")))
+        run_config=RunConfig(storage_path=str(tmp / "storage")))
     result = trainer.fit()
     assert result.error is None
+    return out
+
+
+def test_two_workers_four_layouts_match_single_device(two_workers, reference):
+    out = two_workers
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     ref_params, ref_losses = reference
     for i, axes in enumerate(RAY_LAYOUTS):
@@ -418,6 +445,16 @@ def test_two_workers_four_layouts_match_single_device(ray_cluster, tmp_path, ref
         assert max(layout["device_bytes"]) <= fsdp["replicated_bytes"] / 4 * 1.1, layout
     dp = ranks[0]["layouts"][RAY_LAYOUTS.index({"dp": 4})]
     assert min(dp["device_bytes"]) == dp["replicated_bytes"]  # the unsharded figure it is compared against
+
+
+def test_a_model_sharded_over_two_worker_processes_generates_the_same_tokens(two_workers):
+    """Generation in a 2-process jax.distributed job (a loop sampling from its model mid-training): the weights
+    split over both workers, the KV-cached decode's collectives go through gloo. Checked by hand before. (A test of
+    tests/test_generate.py, here because it rides on the fit above.)"""
+    import test_generate as G
+
+    greedy = G.generate(G.random_model(), *G.left_padded([7, 3, 5], 7), max_new_tokens=12)  # one process
+    np.testing.assert_array_equal(np.load(two_workers / "tokens.npy"), np.asarray(greedy))
 
 
 def test_mfu_benchmark_smoke(tmp_path):
