@@ -13,6 +13,11 @@ all-reduce), summed: what the two cores give the step when only the machine is s
 
 `SCALE_NO_RAY_FIRST_CPU=N` pins rank r to the (N+r)-th usable CPU instead of the r-th (is CPU 0, which takes the
 host's interrupts, the slow one? Session 35: no).
+
+Each round's line also has, per process, its CPU, minor page faults and preemptions per timed step, and the share
+of the wall time each busy thread ran: the step's thread, gloo's, XLA's pool; `idle` is the core's time with none
+of them running (waiting for the other process). `jax.profiler` is no help here: its buffers grow the heap, so its
+steps fault in 40-60k pages each and the 2-process step doubles.
 """
 from __future__ import annotations
 
@@ -42,15 +47,18 @@ def child(rank: int, processes: int, port: int, steps: int, warmup: int, log_eve
         jax.distributed.initialize(f"127.0.0.1:{port}", processes, rank)
     import suite_variants as V
 
-    timed_steps, seconds = V.steady(V.dp_bare_run(size, steps, log_every)["log_times"], warmup)
+    record = V.dp_bare_run(size, steps, log_every)
+    timed_steps, seconds = V.steady(record["log_times"], warmup)
     if rank == 0:
         print(json.dumps({"tokens_per_s": timed_steps * size["batch"] * size["seq"] * processes / seconds}))
+    print(json.dumps({"process": {"cpu": os.sched_getaffinity(0).pop(), **V.steady_rusage(record["log_rusage"], warmup, seconds)}}))
 
 
 def run(processes: int, steps: int, warmup: int, independent: bool = False, size: Optional[dict] = None,
-        log_every: int = 4) -> float:
+        log_every: int = 4, processes_out: Optional[list] = None) -> float:
     """Tokens/s of `processes` pinned processes (summed over them when `independent`). `size` defaults to the
-    suite's full model; `suite.py`'s bare1 / bare2 variants call this too."""
+    suite's full model; `suite.py`'s bare1 / bare2 variants call this too. `processes_out` gets each process's
+    CPU, page faults and preemptions per step."""
     from ray_jax_train.allocator import KEEP_CPU_MEMORY_TUNABLES
 
     if size is None:
@@ -76,6 +84,9 @@ def run(processes: int, steps: int, warmup: int, independent: bool = False, size
         raise RuntimeError(f"a child process failed: {[p.returncode for p in procs]}")
     rates = [json.loads(line)["tokens_per_s"] for out in outputs for line in out.splitlines()
              if line.startswith('{"tokens_per_s"')]
+    if processes_out is not None:
+        processes_out.extend(json.loads(line)["process"] for out in outputs for line in out.splitlines()
+                             if line.startswith('{"process"'))
     return sum(rates)  # rank 0 alone prints for a collective run; every process does when independent
 
 
@@ -96,13 +107,16 @@ def main(argv=None) -> None:
         return
     for rnd in range(args.rounds):
         order = [(1, False), (2, False)] + [(2, True)] * args.independent
-        result = {key: run(key[0], args.steps, args.warmup, key[1], log_every=args.log_every)
+        stats = {key: [] for key in order}
+        result = {key: run(key[0], args.steps, args.warmup, key[1], log_every=args.log_every,
+                           processes_out=stats[key])
                   for key in (order if rnd % 2 == 0 else order[::-1])}
         line = {"round": rnd, "tokens_per_s_1": round(result[1, False]), "tokens_per_s_2": round(result[2, False]),
                 "scaling": round(result[2, False] / result[1, False], 3)}
         if args.independent:
             line.update(tokens_per_s_2_independent=round(result[2, True]),
                         scaling_independent=round(result[2, True] / result[1, False], 3))
+        line["processes"] = {f"{n}{'_independent' * alone}": stats[n, alone] for n, alone in order}
         print(json.dumps(line), flush=True)
 
 
