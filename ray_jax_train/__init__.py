@@ -8,6 +8,7 @@ import importlib
 
 from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
 from ray_jax_train.data import NoFullBatchError, batch_sharding, iter_jax_batches
+from ray_jax_train.data_config import JaxDataConfig
 from ray_jax_train.mesh import get_mesh, make_mesh
 from ray_jax_train.trainer import JaxTrainer, init_ray
 
@@ -66,7 +67,7 @@ _LAZY = {
     "extract_column_names": "ray_jax_train.text",
 }
 
-__all__ = ["JaxConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
+__all__ = ["JaxConfig", "JaxDataConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
            "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", *_LAZY]
 
 

@@ -22,6 +22,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_jax_train.allocator import with_worker_allocator
 from ray_jax_train.backend import JaxConfig, place_compilation_cache, resolve_jax_config
+from ray_jax_train.data_config import JaxDataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class JaxTrainer(DataParallelTrainer):
     ):
         check_train_loop(train_loop_per_worker)
         check_datasets(datasets)
+        if isinstance(dataset_config, JaxDataConfig):
+            dataset_config.check_names(datasets)
         scaling_config = scaling_config or ScalingConfig(num_workers=1)
         run_config = check_run_settings(train_loop_config, scaling_config, run_config)
         jax_config = _as_our_jax_config(jax_config)

@@ -235,6 +235,13 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
         rjt.JaxTrainer(loop, run_config=RunConfig(storage_path=__file__))
     relative = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path="runs"))
     assert relative.run_config.storage_path == os.path.abspath("runs") and relative.run_config.name == "r"
+    # every_row names that are not datasets, or that the split leaves whole: the eval set would lose rows again.
+    with pytest.raises(ValueError, match=r"every_row=\['evl'\]\) names datasets the trainer was not given.*'eval'"):
+        rjt.JaxTrainer(loop, datasets={"train": ray.data.range(4), "eval": ray.data.range(4)},
+                       dataset_config=rjt.JaxDataConfig(every_row="evl"))
+    with pytest.raises(ValueError, match=r"every_row=\['eval'\]\) names datasets that datasets_to_split"):
+        rjt.JaxDataConfig(datasets_to_split=["train"], every_row=["eval"])
+    assert rjt.JaxDataConfig(every_row="eval").every_row == ["eval"]
     batch = {"x": np.ones(3), "valid": np.zeros(3)}
     with pytest.raises(ValueError, match="has a column 'valid' already. Pass mask_key="):
         _pad(batch, 4, "valid")
