@@ -401,7 +401,6 @@ def _opened_out_of_step(config):
 
 def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_cluster, tmp_path):
     import ray.data
-    from ray.train import DataConfig
 
     out = tmp_path / "out"
     out.mkdir()
