@@ -619,8 +619,27 @@ def _trial_lines(grid, outcome, base_total_steps: Optional[int]) -> list:
         best = "  <- best" if metrics.get("trial_id") == outcome.best_metrics.get("trial_id") else ""
         # A trial that failed before its first report has no trial_id there; its Tune directory is trial_<id>_...
         trial_id = metrics.get("trial_id") or "_".join(os.path.basename(result.path or "").split("_")[1:3])
-        lines.append(f"  {trial_id}  {values}: {shown}, {at}, {ended}{best}".replace(", , ", ", "))
+        lines.append(f"  {trial_id}  {values}: {shown}, {at}, {ended}{_resumes(outcome, trial_id)}{best}"
+                     .replace(", , ", ", "))
     return lines
+
+
+def _resumes(outcome, trial_id: str) -> str:
+    """", resumed 2 times (from step 8, 16)" for a trial whose Train run restarted from its checkpoints: its
+    workers failed and Train retried, its trial actor was lost and Tune ran it again, or the search was resumed.
+    Without it a search that ended well hid the failures it rode over."""
+    from ray_jax_train.plot import resumed_steps
+    from ray_jax_train.storage import read_text
+
+    try:
+        relogged = resumed_steps(read_text(f"{outcome.experiment_dir}-{trial_id}/metrics.jsonl"))
+    except (OSError, ValueError):  # no run yet (failed before its first report), or storage out of reach now
+        return ""
+    if not relogged:
+        return ""
+    starts = ", ".join(str(s) if s else "the start" for s in relogged)
+    return f", resumed {len(relogged)} time{'s' * (len(relogged) > 1)} (from step {starts})".replace(
+        "from step the start", "from the start")
 
 
 def _short(value) -> str:

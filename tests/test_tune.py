@@ -459,6 +459,9 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     resumed = resumed_log.read_text()
     assert "trials:      3 (0 failed" in resumed and "Resuming the search" in resumed, resumed[-3000:]
     assert re.search(r"trials:      3 \(0 failed; \d+s since the resume\)", resumed), resumed[-3000:]
+    # The summary says which trial rode over failures: the long one resumed twice (the search, then its lost actor).
+    assert re.search(r"total_steps=40: .*finished, resumed 2 times \(from step \d+, \d+\)", resumed), resumed[-3000:]
+    assert not re.search(r"total_steps=4: .*resumed", resumed), resumed[-3000:]
     # The finished trial was not run again, and no trial got a new id (a new Train run).
     assert (short / "metrics.jsonl").read_text() == short_records
     assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
