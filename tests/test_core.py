@@ -348,11 +348,14 @@ def _opened_out_of_step(config):
     import ray_jax_train as rjt
 
     rank = ray.train.get_context().get_world_rank()
-    seen = {"every_row": []}
-    # JaxDataConfig(every_row=["odd"]): all 11 rows, each on one worker (Ray's equal split dropped 1, silently).
-    for batch in rjt.iter_jax_batches("odd", batch_size=4, mesh=rjt.get_mesh(), remainder="pad"):
-        for ids, valid in zip(batch["id"].addressable_shards, batch["valid"].addressable_shards):
-            seen["every_row"] += [int(i) for i, v in zip(np.asarray(ids.data), np.asarray(valid.data)) if v]
+    seen = {"every_row": [[], []]}
+    # JaxDataConfig(every_row=["odd"]): all 11 rows, each on one worker (Ray's equal split dropped 1, silently);
+    # read twice, as an eval every N steps reads its set.
+    for epoch in range(2):
+        for batch in rjt.iter_jax_batches("odd", batch_size=4, mesh=rjt.get_mesh(), remainder="pad"):
+            for ids, valid in zip(batch["id"].addressable_shards, batch["valid"].addressable_shards):
+                seen["every_row"][epoch] += [int(i) for i, v in zip(np.asarray(ids.data), np.asarray(valid.data))
+                                             if v]
     batch_size = 4 if rank == 0 else 8  # e.g. a train and an eval iterator opened in another order
     try:
         next(iter(rjt.iter_jax_batches("a", batch_size=batch_size, mesh=rjt.get_mesh())))
@@ -412,7 +415,8 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         dataset_config=rjt.JaxDataConfig(datasets_to_split=["a", "b", "odd"], every_row=["odd"]))
     assert trainer.fit().error is None
     every_row = [json.loads((out / f"rank{rank}.json").read_text())["every_row"] for rank in range(2)]
-    assert sorted(every_row[0] + every_row[1]) == list(range(11)), every_row
+    for epoch in range(2):
+        assert sorted(every_row[0][epoch] + every_row[1][epoch]) == list(range(11)), every_row
     for rank in range(2):
         seen = json.loads((out / f"rank{rank}.json").read_text())
         # Before: each process agreed its batch count against the other's iterator, with no error.
