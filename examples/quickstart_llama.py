@@ -1,4 +1,4 @@
-"""Quick start: train a small Llama on 2 CPU workers, offline, in a few minutes.
+"""Quick start: train a small Llama on 2 CPU workers, offline, in one to two minutes on 2 cores.
 
 The corpus is the docstrings of the local Python standard library; a byte-level BPE tokenizer is trained on
 it at run time. `RayDistributedTrainer` tokenises and packs the text with Ray Data, then 2 Ray workers (one

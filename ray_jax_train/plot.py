@@ -288,20 +288,29 @@ def _plain(value):
 
 
 class TensorBoardCallback(UserCallback):
-    """Writes the metrics of every report without a checkpoint to TensorBoard event files as they arrive (on the
-    Train controller).
+    """Writes the metrics of every report to TensorBoard event files as they arrive (on the Train controller); a
+    report with a checkpoint only where it brings new values (the built-in loop's re-send its logged ones).
 
     Opt-in (`run.tensorboard: true`): metrics.jsonl is always written, TensorBoard only when asked for.
     """
 
     def __init__(self, logdir: str):
         self.logdir, self._writer = logdir, None
+        self._latest: dict = {}  # each tag's latest value written
 
     def after_report(self, run_context, metrics, checkpoint):
-        # The built-in loop's checkpoint reports re-send its latest logged metrics (checkpoint scoring needs them
-        # there); drawn again, every curve got a second, stale point at each save step.
-        if not metrics or checkpoint is not None:
+        if not metrics:
             return
+        record = metrics[0]
+        values = {key: float(value) for key, value in record.items()
+                  if key not in ("step", "epoch") and _finite(value)}
+        # The built-in loop's checkpoint reports re-send its latest logged metrics (checkpoint scoring needs them
+        # there); drawn again, every curve got a second, stale point at each save step. A report with a checkpoint
+        # is drawn only where it brings a value not drawn already: a loop of your own that reports its metrics
+        # with its saves, as `save(..., metrics=...)` advises, lost every save step's point.
+        if checkpoint is not None and all(self._latest.get(key) == value for key, value in values.items()):
+            return
+        self._latest.update(values)
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 
@@ -313,12 +322,9 @@ class TensorBoardCallback(UserCallback):
 
             directory_check(self.logdir)
             self._writer = EventsWriter(os.path.join(self.logdir, "events"))
-        record = metrics[0]
-        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
-                  if key not in ("step", "epoch") and _finite(value)]
-        self._writer.write_event(Event(wall_time=time.time(), step=int(record.get("step", 0)),
-                                       summary=Summary(value=values)))
+        summary = Summary(value=[Summary.Value(tag=key, simple_value=value) for key, value in values.items()])
+        self._writer.write_event(Event(wall_time=time.time(), step=int(record.get("step", 0)), summary=summary))
         self._writer.flush()
 
     def __getstate__(self):
-        return {"logdir": self.logdir, "_writer": None}
+        return {"logdir": self.logdir, "_writer": None, "_latest": {}}

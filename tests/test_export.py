@@ -57,7 +57,7 @@ def _checkpoints(run_dir):
     return sorted(os.path.join(run_dir, d) for d in os.listdir(run_dir) if d.startswith("checkpoint_0"))
 
 
-def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path):
+def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path, monkeypatch):
     run_dir, tokenizer = run
     early, last = _checkpoints(run_dir)
     final = _params(os.path.join(run_dir, "final_model"))
@@ -84,6 +84,18 @@ def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path)
 
     export_checkpoint(early, tmp_path / "early")
     assert not all(np.array_equal(a, final[k]) for k, a in _params(tmp_path / "early").items())
+    # The ray.train.Checkpoint that fit() returns, with a relative path: export failed with Ray's "cannot use
+    # Checkpoint objects directly as paths", and restore called the good checkpoint corrupt (an API review).
+    from ray.train import Checkpoint
+
+    import ray_jax_train as rjt
+
+    monkeypatch.chdir(os.path.dirname(early))
+    relative = Checkpoint.from_directory(os.path.basename(early))
+    from_object = _params(export_checkpoint(relative, tmp_path / "early_object"))
+    assert all(np.array_equal(a, from_object[k]) for k, a in _params(tmp_path / "early").items())
+    restored = rjt.restore(None, relative, fallback=False)
+    assert restored.path == early and restored.step == rjt.restore(None, early, fallback=False).step > 0
 
 
 def test_export_says_what_it_needs(run, tmp_path, capsys):

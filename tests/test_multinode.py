@@ -218,3 +218,20 @@ def _tensorboard_scalars(logdir):
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def test_tensorboard_draws_a_checkpoint_report_only_where_it_brings_new_values(tmp_path):
+    """The built-in loop's checkpoint reports re-send its logged metrics (not drawn twice, above). A loop of your
+    own that reports its metrics with its saves, as `save(..., metrics=...)` advises, lost every save step's point
+    (an API review)."""
+    import pickle
+
+    from ray_jax_train.plot import TensorBoardCallback
+
+    callback = pickle.loads(pickle.dumps(TensorBoardCallback(str(tmp_path / "tb"))))  # as Ray ships it
+    callback.after_report(None, [{"step": 2, "loss": 3.0, "eval_loss": 3.5}], None)
+    callback.after_report(None, [{"step": 4, "loss": 3.0, "eval_loss": 3.5}], object())  # a re-send: not drawn
+    callback.after_report(None, [{"step": 6, "loss": 2.5, "eval_loss": 3.5}], object())  # a loop's own save report
+    callback.after_report(None, [{"step": 8, "loss": float("nan")}], None)
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    assert scalars["loss"] == [(2, 3.0), (6, 2.5)] and scalars["eval_loss"] == [(2, 3.5), (6, 3.5)], scalars

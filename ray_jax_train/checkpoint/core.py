@@ -215,12 +215,28 @@ def _run_location() -> _Location:
     return _Location(fs, path, _uri_for(fs, path))
 
 
+def _absolute_if_local(filesystem, path: str) -> str:
+    """`Checkpoint.from_directory("runs/x/checkpoint_...")` keeps the relative path, which orbax refuses ("should
+    be absolute"), and which read as a corrupt checkpoint; a path given as a string was made absolute already."""
+    import pyarrow.fs as pafs
+
+    return os.path.abspath(path) if isinstance(filesystem, pafs.LocalFileSystem) else path
+
+
+def checkpoint_text(checkpoint) -> str:
+    """A `ray.train.Checkpoint` (what `fit()` returns), a path or a URI, as the path or URI string it names."""
+    if hasattr(checkpoint, "filesystem") and hasattr(checkpoint, "path"):
+        return _location_of(checkpoint).uri
+    return os.fspath(checkpoint)
+
+
 def _location_of(checkpoint) -> _Location:
     """A `ray.train.Checkpoint`, a path or a URI -> a location."""
     if isinstance(checkpoint, _Location):
         return checkpoint
     if hasattr(checkpoint, "filesystem") and hasattr(checkpoint, "path"):
-        return _Location(checkpoint.filesystem, checkpoint.path, _uri_for(checkpoint.filesystem, checkpoint.path))
+        path = _absolute_if_local(checkpoint.filesystem, checkpoint.path)
+        return _Location(checkpoint.filesystem, path, _uri_for(checkpoint.filesystem, path))
     from ray_jax_train import storage
 
     text = str(checkpoint)

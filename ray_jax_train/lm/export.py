@@ -30,7 +30,7 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     """Write `source`'s params as an HF directory (config.json, safetensors, tokenizer) in `out_dir`; returns it.
 
     `source`: a checkpoint directory (`<run>/checkpoint_...`) or a run directory (its latest registered
-    checkpoint), a local path or a URI. Only the params are read, into this process's host memory (no Ray,
+    checkpoint), a local path or a URI, or the `ray.train.Checkpoint` `fit()` returns. Only the params are read, into this process's host memory (no Ray,
     no optimizer). `model_config` (a LlamaConfig, or a directory or file with an HF config.json) replaces the
     config the checkpoint was saved with (else the run's `<run>/model/config.json`), and `tokenizer` (a directory
     or tokenizer object) the run's `<run>/model/` tokenizer; a checkpoint from before configs were saved with it,
@@ -43,8 +43,10 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     from ray_jax_train import storage
     from ray_jax_train.models import save_pretrained
 
+    from ray_jax_train.checkpoint.core import checkpoint_text
+
     _refuse_a_full_dir(os.fspath(out_dir), overwrite)
-    checkpoint, run_dir = _resolve(os.fspath(source))
+    checkpoint, run_dir = _resolve(checkpoint_text(source))  # `result.checkpoint` too, as `restore` takes it
     fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
     own_config = _checkpoint_hf_config(checkpoint) if model_config is None else None
