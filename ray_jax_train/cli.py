@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                            "finished trials are kept, unfinished ones resume from their latest checkpoints; the "
                            "config must be the one it started with")
     tune.add_argument("--resume-errored", action="store_true",
-                      help="with --resume, also run failed trials again from their latest checkpoints")
+                      help="resume (implies --resume) and also run failed trials again from their latest "
+                           "checkpoints")
     plot = sub.add_parser("plot", parents=[common], help="write PNG curves of loss, learning rate and tokens/s")
     plot.add_argument("run_dir", help="a run directory (<storage_path>/<run name>) with metrics.jsonl, or a Tune "
                                       "search directory (its trials' losses on shared axes)")

@@ -209,7 +209,7 @@ class SchedulerSection(_Section):
 
 class TuneSection(_Section):
     """A search over `training.*` / `model.*` keys. Values: a constant, or {choice|grid_search: [..]},
-    {uniform|loguniform|randint: [low, high]}."""
+    {uniform|loguniform|randint: [low, high]}, {quniform: [low, high, q]}."""
 
     param_space: Dict[str, Any] = Field(default_factory=dict)
     num_samples: int = Field(1, ge=1)
