@@ -88,8 +88,6 @@ def test_checkpoints_export_as_the_final_model_with_its_tokenizer(run, tmp_path,
     # Checkpoint objects directly as paths", and restore called the good checkpoint corrupt (an API review).
     from ray.train import Checkpoint
 
-    import ray_jax_train as rjt
-
     monkeypatch.chdir(os.path.dirname(early))
     relative = Checkpoint.from_directory(os.path.basename(early))
     from_object = _params(export_checkpoint(relative, tmp_path / "early_object"))
