@@ -603,6 +603,43 @@ def _check_target_shardings(target) -> None:
             "array in the target.")
 
 
+def _plain_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """Numbers as Python numbers: Ray's checkpoint manager serialises a checkpoint's metrics with pydantic, which
+    failed on a numpy or JAX scalar (`loss=jnp.mean(...)`) in the controller, ending the run with "Unable to
+    serialize unknown type" and leaving the saves unregistered. An array of more than one value is refused here,
+    naming its key."""
+    import jax
+
+    def plain(key, value):
+        if isinstance(value, (np.generic, np.ndarray, jax.Array)):
+            if np.size(value) != 1:
+                raise TypeError(f"save(metrics=...): metrics[{key!r}] is an array of shape {np.shape(value)}; "
+                                "report numbers (e.g. float(x.mean())), and keep arrays in the state.")
+            return np.asarray(value).item()
+        return value
+
+    return {key: plain(key, value) for key, value in metrics.items()}
+
+
+def _check_savable(state) -> None:
+    """Before orbax: a state with nothing to save, or with a leaf orbax has no handler for (a plain dataclass, an
+    object of the user's), failed in orbax ("Found empty item", "TypeHandler lookup failed") and left a -tmp
+    directory behind."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not leaves:
+        raise ValueError("save(): the state has no leaves to save (an empty dict, or only None). Pass the arrays "
+                         "to checkpoint: params, optimizer state, step.")
+    for path, leaf in leaves:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool, str)):
+            raise TypeError(
+                f"save(): the state's leaf {jax.tree_util.keystr(path) or '(the state itself)'} is a "
+                f"{type(leaf).__module__}.{type(leaf).__qualname__}, which orbax cannot save. Make it a pytree "
+                "(flax.struct.dataclass, jax.tree_util.register_dataclass, a NamedTuple) or save its fields in a "
+                "dict.")
+
+
 class _PendingSave:
     def __init__(self, name: str, location: _Location, step: int, checksums=None, paths=None):
         self.name, self.location, self.step = name, location, step
@@ -669,10 +706,11 @@ def abstract_state(state, shardings=None):
     def one(path, leaf, sharding=None):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
-                            f"{type(leaf).__name__} ({leaf!r}), not an array; keep arrays in the state (e.g. "
-                            "np.asarray(step, np.int32), or jnp.asarray(step) in a one-process job; the dtype "
-                            "the state was saved with: a Python int is saved as int32), so it restores with a "
-                            "shape and dtype.")
+                            f"{type(leaf).__name__} ({leaf!r}), not an array, so it has no shape and dtype to "
+                            "restore into. Restore with the state itself as the target (restore(state): its "
+                            "values are the target) or restore(None, ...), or keep arrays in the state "
+                            "(np.asarray(step), jnp.asarray(step)) from the first save on: a Python int is saved "
+                            "as int64, a float as float64.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, np.ndarray):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
@@ -949,7 +987,7 @@ class JaxCheckpointer:
 
         step = int(step)
         self._check_shared_storage()
-        metrics = dict(metrics() if callable(metrics) else (metrics or {}))
+        metrics = _plain_metrics(dict(metrics() if callable(metrics) else (metrics or {})))
         if metrics.get("step", step) != step:
             logger.warning("save(step=%d) reports metrics['step'] as %d, the checkpoint's own step (restores order "
                            "checkpoints by it); the metrics' own 'step' (%r) is replaced. Report yours under "
@@ -975,6 +1013,7 @@ class JaxCheckpointer:
         }
         _check_json("data_state", data_state)
         state = _with_readable_shards(_as_saved(state))
+        _check_savable(state)
         pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None,
                                leaf_paths(state))
         # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still

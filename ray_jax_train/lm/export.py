@@ -55,8 +55,10 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     elif model_config is None:
         if not has_files:
             raise FileNotFoundError(
-                f"{run_dir} has no {MODEL_FILES}/config.json: the run was made before ray_jax_train saved its model "
-                "config there (or its config has no Hugging Face form, and no export can help). Pass the model "
+                f"{run_dir} has no {MODEL_FILES}/config.json: the checkpoint is not one of the built-in LM loop's "
+                "(export converts its Llama params; a loop of your own saves what it likes), or the run was made "
+                "before ray_jax_train saved its model config there (or its config has no Hugging Face form, and no "
+                "export can help). For the built-in loop's, pass the model "
                 "config it trained with: model_config=<a directory with its config.json, e.g. another export or "
                 "final_model/ of the same model> (CLI: --model-config DIR), and tokenizer=<DIR> (--tokenizer).")
         model_config = _read_config(fs, f"{model_files}/config.json", f"{run_dir}/{MODEL_FILES}/config.json")
