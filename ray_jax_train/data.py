@@ -521,6 +521,7 @@ class _Agreement:
         self._round = 0
         self.first_counts: Optional[List[int]] = None  # each process's full batches in the first window
         self.stop: Optional[threading.Event] = None  # set when the consumer has stopped
+        self._published = False
 
     def compare_opened(self, warn_after_s: float = 60.0) -> None:
         """At the opening, before any read: every process must have opened the same iterator at this point. Called
@@ -581,8 +582,25 @@ class _Agreement:
             self._client.key_value_delete(f"{self._prefix}/open/{self._rank}")
         else:
             self._client.key_value_delete(f"{self._prefix}/{self._round - 1}/{self._rank}")
+            if self._round == 1 and self._published:  # read, where needed, in round 0 (`columns_like`)
+                self._client.key_value_delete(f"{self._prefix}/layout/{self._rank}")
         self._round += 1
         return values
+
+    def publish_columns(self, batch: Dict[str, np.ndarray]) -> None:
+        """This process's column names, dtypes and row shapes, for a process whose shard is empty: in pad mode it
+        yields padding batches of the same layout. Set before the first round's counts, so it is there when they
+        say who has data."""
+        layout = {key: [value.dtype.name, list(value.shape[1:])] for key, value in batch.items()}
+        self._client.key_value_set(f"{self._prefix}/layout/{self._rank}", json.dumps(layout))
+        self._published = True
+
+    def columns_like(self, rank: int) -> Dict[str, np.ndarray]:
+        """Empty columns laid out as process `rank`'s batches (`publish_columns`)."""
+        import jax.numpy as jnp
+
+        layout = json.loads(self._get(f"{self._prefix}/layout/{rank}"))
+        return {key: np.zeros([0] + shape, jnp.dtype(dtype)) for key, (dtype, shape) in layout.items()}
 
     def _get(self, key: str) -> str:
         """The value of `key`, waited for in slices so a consumer that stops (an eval capped at max_eval_steps)
@@ -620,17 +638,18 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
             agreed = min(counts)
             yield from chunk[:agreed]
         else:
-            agreed = max(agreement.gather(len(chunk)))
+            if chunk and agreement.first_counts is None:
+                agreement.publish_columns(chunk[0])
+            counts = agreement.gather(len(chunk))
+            if agreement.first_counts is None:
+                agreement.first_counts = list(counts)
+            agreed = max(counts)
+            if template is None and agreed:
+                # An empty shard (a split that gave this worker no block, `JaxDataConfig(every_row=...)`) pads
+                # in the layout of a process that has rows; every process with rows has them in the first round.
+                template = agreement.columns_like(next(p for p, n in enumerate(counts) if n))
             for i in range(agreed):
-                if i < len(chunk):
-                    yield _pad(chunk[i], rows, mask_key)
-                elif template is not None:
-                    yield _pad({k: v[:0] for k, v in template.items()}, rows, mask_key)
-                else:
-                    raise RuntimeError(
-                        "This worker's dataset shard is empty while other workers still have data, so it cannot "
-                        "build padding batches. Give every worker at least one row (more data, fewer workers)."
-                    )
+                yield _pad(chunk[i] if i < len(chunk) else {k: v[:0] for k, v in template.items()}, rows, mask_key)
         if agreed < window:
             return
 

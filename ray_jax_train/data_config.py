@@ -15,7 +15,7 @@ from ray.train import DataConfig
 class JaxDataConfig(DataConfig):
     """`DataConfig(datasets_to_split, execution_options, enable_shard_locality)`, plus `every_row`: names of split
     datasets that keep every row. Read them with `iter_jax_batches(..., remainder="pad")` and count the `valid`
-    rows: the shards may differ by a block, and a worker can get none."""
+    rows: the shards may differ by a block, and a worker can get none (it then yields padding batches only)."""
 
     def __init__(self, datasets_to_split: Union[str, List[str]] = "all", execution_options=None,
                  enable_shard_locality: bool = True, *, every_row: Sequence[str] = ()):

@@ -348,7 +348,7 @@ def _opened_out_of_step(config):
     import ray_jax_train as rjt
 
     rank = ray.train.get_context().get_world_rank()
-    seen = {"every_row": [[], []]}
+    seen = {"every_row": [[], []], "one_block": [], "one_block_batches": 0}
     # JaxDataConfig(every_row=["odd"]): all 11 rows, each on one worker (Ray's equal split dropped 1, silently);
     # read twice, as an eval every N steps reads its set.
     for epoch in range(2):
@@ -356,6 +356,12 @@ def _opened_out_of_step(config):
             for ids, valid in zip(batch["id"].addressable_shards, batch["valid"].addressable_shards):
                 seen["every_row"][epoch] += [int(i) for i, v in zip(np.asarray(ids.data), np.asarray(valid.data))
                                              if v]
+    # One block for 2 workers: one shard is empty, and pads in the other's layout (it raised "cannot build padding
+    # batches", and its partner hung in the next collective).
+    for batch in rjt.iter_jax_batches("one_block", batch_size=4, mesh=rjt.get_mesh(), remainder="pad"):
+        seen["one_block_batches"] += 1
+        for ids, valid in zip(batch["id"].addressable_shards, batch["valid"].addressable_shards):
+            seen["one_block"] += [int(i) for i, v in zip(np.asarray(ids.data), np.asarray(valid.data)) if v]
     batch_size = 4 if rank == 0 else 8  # e.g. a train and an eval iterator opened in another order
     try:
         next(iter(rjt.iter_jax_batches("a", batch_size=batch_size, mesh=rjt.get_mesh())))
@@ -411,12 +417,17 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         _opened_out_of_step, train_loop_config={"out": str(out)}, scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(tmp_path / "storage")),
         datasets={**{name: ray.data.range(32) for name in ("a", "b", "whole")},
-                  "odd": ray.data.range(11, override_num_blocks=3)},
-        dataset_config=rjt.JaxDataConfig(datasets_to_split=["a", "b", "odd"], every_row=["odd"]))
+                  "odd": ray.data.range(11, override_num_blocks=3), "one_block": ray.data.range(3, override_num_blocks=1)},
+        dataset_config=rjt.JaxDataConfig(datasets_to_split=["a", "b", "odd", "one_block"],
+                                         every_row=["odd", "one_block"]))
     assert trainer.fit().error is None
     every_row = [json.loads((out / f"rank{rank}.json").read_text())["every_row"] for rank in range(2)]
     for epoch in range(2):
         assert sorted(every_row[0][epoch] + every_row[1][epoch]) == list(range(11)), every_row
+    one_block = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(one_block[0]["one_block"] + one_block[1]["one_block"]) == [0, 1, 2], one_block
+    assert [] in (one_block[0]["one_block"], one_block[1]["one_block"]), one_block  # a shard was empty
+    assert one_block[0]["one_block_batches"] == one_block[1]["one_block_batches"] == 2, one_block
     for rank in range(2):
         seen = json.loads((out / f"rank{rank}.json").read_text())
         # Before: each process agreed its batch count against the other's iterator, with no error.
