@@ -13,7 +13,7 @@ import numbers
 import queue
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -223,10 +223,12 @@ def iter_jax_batches(
         local_shuffle_buffer_size=local_shuffle_buffer_size,
         local_shuffle_seed=local_shuffle_seed,
     )
-    read = _RowCount(_split_rows((_select(batch, columns, dtypes) for batch in host_batches), local_rows))
+    layout = _ColumnLayout()
+    read = _RowCount(_split_rows(layout.checked(_select(batch, columns, dtypes) for batch in host_batches),
+                                 local_rows))
     host_batches = read
     if agreement is not None:
-        host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreement, sync_window)
+        host_batches = _synchronised(host_batches, local_rows, remainder, mask_key, agreement, sync_window, layout)
     else:
         host_batches = _local_only(host_batches, local_rows, remainder, mask_key)
     host_batches = _skipped(_refuse_if_all_dropped(host_batches, read, local_rows, batch_size, agreement),
@@ -420,6 +422,9 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     jax_enable_x64) both wrap silently, so an id of 2**31 would train as a negative number."""
     import jax
 
+    if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub" and value.size:
+        _check_floats_become_integers(key, value, np.dtype(dtype))
+        return
     if value.dtype.kind not in "iu" or not value.size:
         return
     target = np.dtype(dtype) if dtype is not None else value.dtype
@@ -452,6 +457,64 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
 
 
 _warned_rounding: set = set()
+
+
+def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype) -> None:
+    """A `dtypes` entry that casts floats to integers or bools: numpy turns NaN (a null) into -2**31 or True and
+    wraps values out of range, silently (a data review)."""
+    if not np.isfinite(value).all():
+        raise ValueError(
+            f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds NaN or inf: a null in an "
+            f"integer column arrives as NaN, which the cast would turn into "
+            f"{'True' if target.kind == 'b' else 'an arbitrary integer'}, silently. Fill or drop the nulls in a "
+            "map_batches step first.")
+    if target.kind in "iu":
+        info = np.iinfo(target)
+        low, high = value.min(), value.max()
+        if low < info.min or high > info.max or not np.array_equal(value, np.trunc(value)):
+            raise ValueError(
+                f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds values from {low} to "
+                f"{high}{'' if np.array_equal(value, np.trunc(value)) else ' and fractions'}, which the cast "
+                f"would {'wrap' if low < info.min or high > info.max else 'truncate'} silently. Use a dtype that "
+                "holds them, or round them yourself first.")
+
+
+class _ColumnLayout:
+    """Each column's dtype and row shape, held the same over this process's reads and (through the agreement) over
+    the processes. `make_array_from_process_local_data` joins the processes' pieces without comparing them: a
+    worker whose column arrived as floats (a null in an integer column) or with lists of another length gave every
+    process a corrupted global batch, silently (a data review); in one process the column changed dtype mid-epoch."""
+
+    def __init__(self):
+        self.first: Optional[Dict[str, Tuple[str, Tuple[int, ...]]]] = None
+        self.text = ""  # what the agreement compares; empty until this process has read a row
+
+    def checked(self, batches):
+        for batch in batches:
+            if not _rows(batch):
+                yield batch
+                continue
+            layout = {key: (value.dtype.name, tuple(value.shape[1:])) for key, value in batch.items()}
+            if self.first is None:
+                self.first = layout
+                self.text = " ".join(f"{key}:{dtype}{list(shape)}" for key, (dtype, shape) in layout.items())
+            elif set(layout) != set(self.first):
+                raise ValueError(f"iter_jax_batches: the batches' columns changed from {sorted(self.first)} to "
+                                 f"{sorted(layout)}; every read must have the same columns (select them with "
+                                 "columns=[...]).")
+            elif layout != self.first:
+                changed = [key for key in layout if layout[key] != self.first.get(key)]
+                raise ValueError(
+                    "iter_jax_batches: " + "; ".join(
+                        f"column {key!r} arrived as {self.first[key][0]} rows of shape {self.first[key][1]} in "
+                        f"earlier reads and as {layout[key][0]} of shape {layout[key][1]} now"
+                        for key in changed if key in self.first) + f". {_LAYOUT_HINT}")
+            yield batch
+
+
+_LAYOUT_HINT = ("A null in an integer column makes Ray Data hand the column over as floats (NaN for the nulls), and "
+                "list columns of different lengths give rows of other shapes. Fill or drop the nulls and pad the "
+                "lists to one length in a map_batches step first, or leave the column out with columns=[...].")
 
 
 def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
@@ -572,10 +635,19 @@ class _Agreement:
                 f"order): {', '.join(f'process {p}: {o}' for p, o in enumerate(opened))}. Open the same "
                 "iter_jax_batches calls in the same order on every worker.")
 
-    def gather(self, value: int) -> list:
+    def gather(self, value: int, layout: str = "") -> list:
+        """Every process's `value` for this round; `layout` (`_ColumnLayout.text`) must agree among the
+        processes that have read rows, else every process raises the same error."""
         key = f"{self._prefix}/{self._round}"
-        self._client.key_value_set(f"{key}/{self._rank}", str(value))
-        values = [int(self._get(f"{key}/{p}")) for p in range(self._size)]
+        self._client.key_value_set(f"{key}/{self._rank}", f"{value}|{layout}")
+        answers = [self._get(f"{key}/{p}").split("|", 1) for p in range(self._size)]
+        values = [int(count) for count, _ in answers]
+        layouts = {p: text for p, (_, text) in enumerate(answers) if text}
+        if len(set(layouts.values())) > 1:
+            raise ValueError(
+                "iter_jax_batches: the processes' batches differ in their columns' dtypes or row shapes, which "
+                "would join into a corrupted global batch: " + "; ".join(
+                    f"process {p}: {text[:300]}" for p, text in sorted(layouts.items())) + f". {_LAYOUT_HINT}")
         # Every process has now set this round's key, so each has read all of the round before (and what the
         # others opened): those keys are never read again. Deleting them keeps the coordinator's store small.
         if self._round == 0:
@@ -621,8 +693,10 @@ class _Agreement:
                 raise _ReaderStopped()
 
 
-def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: _Agreement, window: int):
-    """Read `window` local batches, agree on how many every process yields, repeat."""
+def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: _Agreement, window: int,
+                  layout: Optional[_ColumnLayout] = None):
+    """Read `window` local batches, agree on how many every process yields (and that their columns match),
+    repeat."""
     template = None
     while True:
         chunk = list(itertools.islice(batches, window))
@@ -632,7 +706,7 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
             full = 0
             while full < len(chunk) and _rows(chunk[full]) == rows:
                 full += 1
-            counts = agreement.gather(full)
+            counts = agreement.gather(full, layout.text if layout else "")
             if agreement.first_counts is None:
                 agreement.first_counts = list(counts)
             agreed = min(counts)
@@ -640,7 +714,7 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
         else:
             if chunk and agreement.first_counts is None:
                 agreement.publish_columns(chunk[0])
-            counts = agreement.gather(len(chunk))
+            counts = agreement.gather(len(chunk), layout.text if layout else "")
             if agreement.first_counts is None:
                 agreement.first_counts = list(counts)
             agreed = max(counts)

@@ -395,6 +395,16 @@ def _opened_out_of_step(config):
         seen["short_shard"] = "no error"
     except rjt.NoFullBatchError as exc:
         seen["short_shard"] = str(exc)
+    # A null in one worker's integer column: its rows arrive as floats, and the global batch joined int32 bits
+    # with float32 ones, silently (a data review).
+    import pyarrow as pa
+
+    ids = pa.array([11, None, 13, 14] if rank == 1 else [1, 2, 3, 4], pa.int64())
+    try:
+        list(rjt.iter_jax_batches(ray.data.from_arrow(pa.table({"id": ids})), batch_size=4, mesh=rjt.get_mesh()))
+        seen["layouts"] = "no error"
+    except ValueError as exc:
+        seen["layouts"] = str(exc)
     if rank == 0:  # an eval on rank 0 only, as with torch: waited for sync_timeout_s (30 minutes) while rank 1 reported
         started = time.monotonic()
         try:
@@ -439,6 +449,8 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert [w for w in seen["whole_dataset"] if "each row is fed 2 times" in w], seen
         assert "process(es) [1] had fewer than that" in seen["short_shard"], seen
         assert f"this one, process {rank}, read " in seen["short_shard"], seen
+        assert "process 0: id:int64[]; process 1: id:float64[]" in seen["layouts"], seen
+        assert "A null in an integer column" in seen["layouts"], seen
     seen = json.loads((out / "rank0.json").read_text())
     assert "process 1 will never open its matching iterator: it waits in ray.train.report" in seen["rank0_eval"], seen
     assert seen["rank0_eval_s"] < 30, seen

@@ -242,6 +242,25 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
     with pytest.raises(ValueError, match=r"every_row=\['eval'\]\) names datasets that datasets_to_split"):
         rjt.JaxDataConfig(datasets_to_split=["train"], every_row=["eval"])
     assert rjt.JaxDataConfig(every_row="eval").every_row == ["eval"]
+    # In one process, a column that changes dtype or row shape between reads (nulls, ragged lists) is named.
+    from ray_jax_train.data import _ColumnLayout
+
+    reads = [{"id": np.arange(4), "tok": np.ones((4, 2))}, {"id": np.array([1.0, np.nan]), "tok": np.ones((2, 2))}]
+    with pytest.raises(ValueError, match=r"column 'id' arrived as int64 rows of shape \(\) in earlier reads and as "
+                                         r"float64 .*A null in an integer column"):
+        list(_ColumnLayout().checked(reads))
+    with pytest.raises(ValueError, match=r"column 'tok' arrived as float64 rows of shape \(2,\) .* shape \(3,\)"):
+        list(_ColumnLayout().checked([reads[0], {"id": np.arange(2), "tok": np.ones((2, 3))}]))
+    # A dtypes cast of floats to integers: NaN (a null) became -2**31 or True, 300.0 as int8 44, 1.5 as int32 1.
+    from ray_jax_train.data import _select
+
+    for values, dtype, fragment in (([1.0, np.nan], np.int32, "holds NaN or inf.*an arbitrary integer"),
+                                    ([0.0, np.nan], bool, "holds NaN or inf.*True"),
+                                    ([300.0], np.int8, "from 300.0 to 300.0, which the cast would wrap"),
+                                    ([1.5, 2.0], np.int32, "and fractions, which the cast would truncate")):
+        with pytest.raises(ValueError, match=f"dtypes casts column 'i' from float64 to .*{fragment}"):
+            _select({"i": np.array(values)}, None, {"i": dtype})
+    assert _select({"i": np.array([1.0, 2.0])}, None, {"i": np.int32})["i"].tolist() == [1, 2]
     batch = {"x": np.ones(3), "valid": np.zeros(3)}
     with pytest.raises(ValueError, match="has a column 'valid' already. Pass mask_key="):
         _pad(batch, 4, "valid")
