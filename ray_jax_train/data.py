@@ -180,6 +180,9 @@ def iter_jax_batches(
         skip_batches: global batches to skip first, e.g. those consumed before a resume.
         min_read_rows: rows fetched from Ray Data per read (a multiple of the per-process batch), to amortise
             Ray's per-batch overhead over several steps.
+        local_shuffle_buffer_size, local_shuffle_seed: Ray Data's local shuffle of this process's rows. A fixed
+            seed gives the same order every epoch: vary it with the epoch (and the process), as the built-in loop
+            does with (seed, epoch, worker).
     """
     import jax
 
@@ -192,6 +195,14 @@ def iter_jax_batches(
     # 1.5 skipped every batch, -1 none, without a word (a Python API review).
     if isinstance(skip_batches, bool) or not isinstance(skip_batches, (int, np.integer)) or skip_batches < 0:
         raise ValueError(f"skip_batches={skip_batches!r} must be a whole number of batches >= 0.")
+    if isinstance(columns, str):  # read as its letters: "Columns ['i', 'd'] are not in the dataset"
+        raise TypeError(f"columns={columns!r} must be a list of column names, e.g. columns=[{columns!r}].")
+    if columns is not None and len(columns) == 0:
+        raise ValueError("columns=[] keeps no column, so no batch could hold a row; name the columns to feed, or "
+                         "leave columns out for all of them.")
+    if local_shuffle_seed is not None and local_shuffle_buffer_size is None:
+        raise ValueError(f"local_shuffle_seed={local_shuffle_seed} shuffles nothing without "
+                         "local_shuffle_buffer_size (rows to shuffle among); give both.")
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
                         f"{type(mesh).__name__}")

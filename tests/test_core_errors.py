@@ -261,6 +261,12 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
         with pytest.raises(ValueError, match=f"dtypes casts column 'i' from float64 to .*{fragment}"):
             _select({"i": np.array(values)}, None, {"i": dtype})
     assert _select({"i": np.array([1.0, 2.0])}, None, {"i": np.int32})["i"].tolist() == [1, 2]
+    mesh = rjt.make_mesh({"dp": -1})
+    for settings, error in (({"columns": "id"}, r"columns='id' must be a list of column names, e.g. columns=\['id'\]"),
+                            ({"columns": []}, r"columns=\[\] keeps no column"),
+                            ({"local_shuffle_seed": 1}, "shuffles nothing without local_shuffle_buffer_size")):
+        with pytest.raises((TypeError, ValueError), match=error):  # before anything is read
+            rjt.iter_jax_batches(ray.data.range(8), batch_size=mesh.size, mesh=mesh, **settings)
     batch = {"x": np.ones(3), "valid": np.zeros(3)}
     with pytest.raises(ValueError, match="has a column 'valid' already. Pass mask_key="):
         _pad(batch, 4, "valid")
