@@ -651,9 +651,9 @@ class _Agreement:
         processes that have read rows, else every process raises the same error."""
         key = f"{self._prefix}/{self._round}"
         self._client.key_value_set(f"{key}/{self._rank}", f"{value}|{layout}")
-        answers = [self._get(f"{key}/{p}").split("|", 1) for p in range(self._size)]
-        values = [int(count) for count, _ in answers]
-        layouts = {p: text for p, (_, text) in enumerate(answers) if text}
+        answers = [self._get(f"{key}/{p}").partition("|") for p in range(self._size)]
+        values = [int(count) for count, _, _ in answers]
+        layouts = {p: text for p, (_, _, text) in enumerate(answers) if text}
         if len(set(layouts.values())) > 1:
             raise ValueError(
                 "iter_jax_batches: the processes' batches differ in their columns' dtypes or row shapes, which "

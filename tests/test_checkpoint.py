@@ -926,7 +926,7 @@ def test_states_and_metrics_orbax_or_ray_would_fail_on_are_refused_or_made_plain
     class State:
         w: jnp.ndarray
 
-    with pytest.raises(TypeError, match=r"\['s'\] is a .*State, which orbax cannot save.*flax.struct.dataclass"):
+    with pytest.raises(ValueError, match=r"\['s'\] is a .*State, which orbax cannot save.*flax.struct.dataclass"):
         _check_savable({"s": State(jnp.ones(2)), "w": jnp.ones(2)})
     with pytest.raises(ValueError, match="has no leaves to save"):
         _check_savable({"opt": {}, "extra": None})

@@ -633,7 +633,7 @@ def _check_savable(state) -> None:
                          "to checkpoint: params, optimizer state, step.")
     for path, leaf in leaves:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool, str)):
-            raise TypeError(
+            raise ValueError(  # ValueError, as orbax's own refusal was
                 f"save(): the state's leaf {jax.tree_util.keystr(path) or '(the state itself)'} is a "
                 f"{type(leaf).__module__}.{type(leaf).__qualname__}, which orbax cannot save. Make it a pytree "
                 "(flax.struct.dataclass, jax.tree_util.register_dataclass, a NamedTuple) or save its fields in a "
