@@ -512,18 +512,18 @@ def test_gpu_workers_get_their_gpus_and_allocator_settings():
 
 
 def test_the_quick_start_script_runs_as_the_readme_gives_it(ray_cluster, tmp_path, capsys):
-    """README's main command, `python examples/quickstart_llama.py`, shortened (30 steps, 80 documents): CI runs
+    """README's main command, `python examples/quickstart_llama.py`, shortened (40 steps, 80 documents): CI runs
     only the tests, so a change that broke the script would land with CI green. The script checks itself that the
-    loss fell by 0.5 (SystemExit otherwise)."""
+    loss fell by 0.5 (SystemExit otherwise; 0.74 here, 0.61 at 30 steps)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "quickstart_llama", os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart_llama.py"))
     quickstart = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quickstart)
-    result, records = quickstart.main(["--steps", "30", "--docs", "80", "--output-dir", str(tmp_path)])
+    result, records = quickstart.main(["--steps", "40", "--docs", "80", "--output-dir", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert records[-1]["step"] == 30 and [r["step"] for r in records if "eval_loss" in r] == [15, 30], records
+    assert records[-1]["step"] == 40 and [r["step"] for r in records if "eval_loss" in r] == [20, 40], records
     assert os.path.isfile(os.path.join(result.path, "final_model", "tokenizer.json"))
-    for line in ("=== quick start summary ===", "2 CPU workers, 30 steps", "eval loss:", "sample:     'Return the' ->"):
+    for line in ("=== quick start summary ===", "2 CPU workers, 40 steps", "eval loss:", "sample:     'Return the' ->"):
         assert line in printed, printed[-3000:]
