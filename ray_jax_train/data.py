@@ -508,7 +508,7 @@ class _ColumnLayout:
             layout = {key: (value.dtype.name, tuple(value.shape[1:])) for key, value in batch.items()}
             if self.first is None:
                 self.first = layout
-                self.text = " ".join(f"{key}:{dtype}{list(shape)}" for key, (dtype, shape) in layout.items())
+                self.text = json.dumps([[key, dtype, list(shape)] for key, (dtype, shape) in layout.items()])
             elif set(layout) != set(self.first):
                 raise ValueError(f"iter_jax_batches: the batches' columns changed from {sorted(self.first)} to "
                                  f"{sorted(layout)}; every read must have the same columns (select them with "
@@ -595,7 +595,7 @@ class _Agreement:
         self._round = 0
         self.first_counts: Optional[List[int]] = None  # each process's full batches in the first window
         self.stop: Optional[threading.Event] = None  # set when the consumer has stopped
-        self._published = False
+        self.layouts: Dict[int, str] = {}  # the last round's `_ColumnLayout.text` of each process that has rows
 
     def compare_opened(self, warn_after_s: float = 60.0) -> None:
         """At the opening, before any read: every process must have opened the same iterator at this point. Called
@@ -653,37 +653,21 @@ class _Agreement:
         self._client.key_value_set(f"{key}/{self._rank}", f"{value}|{layout}")
         answers = [self._get(f"{key}/{p}").partition("|") for p in range(self._size)]
         values = [int(count) for count, _, _ in answers]
-        layouts = {p: text for p, (_, _, text) in enumerate(answers) if text}
-        if len(set(layouts.values())) > 1:
+        self.layouts = {p: text for p, (_, _, text) in enumerate(answers) if text}
+        if len(set(self.layouts.values())) > 1:
             raise ValueError(
                 "iter_jax_batches: the processes' batches differ in their columns' dtypes or row shapes, which "
                 "would join into a corrupted global batch: " + "; ".join(
-                    f"process {p}: {text[:300]}" for p, text in sorted(layouts.items())) + f". {_LAYOUT_HINT}")
+                    f"process {p}: {' '.join(f'{k}:{d}{list(shape)}' for k, d, shape in json.loads(text))[:300]}"
+                    for p, text in sorted(self.layouts.items())) + f". {_LAYOUT_HINT}")
         # Every process has now set this round's key, so each has read all of the round before (and what the
         # others opened): those keys are never read again. Deleting them keeps the coordinator's store small.
         if self._round == 0:
             self._client.key_value_delete(f"{self._prefix}/open/{self._rank}")
         else:
             self._client.key_value_delete(f"{self._prefix}/{self._round - 1}/{self._rank}")
-            if self._round == 1 and self._published:  # read, where needed, in round 0 (`columns_like`)
-                self._client.key_value_delete(f"{self._prefix}/layout/{self._rank}")
         self._round += 1
         return values
-
-    def publish_columns(self, batch: Dict[str, np.ndarray]) -> None:
-        """This process's column names, dtypes and row shapes, for a process whose shard is empty: in pad mode it
-        yields padding batches of the same layout. Set before the first round's counts, so it is there when they
-        say who has data."""
-        layout = {key: [value.dtype.name, list(value.shape[1:])] for key, value in batch.items()}
-        self._client.key_value_set(f"{self._prefix}/layout/{self._rank}", json.dumps(layout))
-        self._published = True
-
-    def columns_like(self, rank: int) -> Dict[str, np.ndarray]:
-        """Empty columns laid out as process `rank`'s batches (`publish_columns`)."""
-        import jax.numpy as jnp
-
-        layout = json.loads(self._get(f"{self._prefix}/layout/{rank}"))
-        return {key: np.zeros([0] + shape, jnp.dtype(dtype)) for key, (dtype, shape) in layout.items()}
 
     def _get(self, key: str) -> str:
         """The value of `key`, waited for in slices so a consumer that stops (an eval capped at max_eval_steps)
@@ -723,16 +707,17 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
             agreed = min(counts)
             yield from chunk[:agreed]
         else:
-            if chunk and agreement.first_counts is None:
-                agreement.publish_columns(chunk[0])
             counts = agreement.gather(len(chunk), layout.text if layout else "")
             if agreement.first_counts is None:
                 agreement.first_counts = list(counts)
             agreed = max(counts)
             if template is None and agreed:
                 # An empty shard (a split that gave this worker no block, `JaxDataConfig(every_row=...)`) pads
-                # in the layout of a process that has rows; every process with rows has them in the first round.
-                template = agreement.columns_like(next(p for p, n in enumerate(counts) if n))
+                # in the layout of a process that has rows, which the agreement has just compared.
+                import jax.numpy as jnp
+
+                template = {key: np.zeros([0] + shape, jnp.dtype(dtype))
+                            for key, dtype, shape in json.loads(next(iter(agreement.layouts.values())))}
             for i in range(agreed):
                 yield _pad(chunk[i] if i < len(chunk) else {k: v[:0] for k, v in template.items()}, rows, mask_key)
         if agreed < window:

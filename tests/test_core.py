@@ -771,7 +771,7 @@ def test_a_reader_waiting_on_a_process_that_stopped_ends_when_its_consumer_does(
     store = KeyValueStore()
     agreement = D._Agreement.__new__(D._Agreement)
     agreement.__dict__.update(_client=store, _prefix="eval", _rank=0, _size=2, _timeout_ms=600_000, _round=0,
-                              _opened="", first_counts=None, _published=False)
+                              _opened="", first_counts=None)
     store.key_value_set("eval/0/1", "4")  # the other process's first window; it stops before its second
     stop = threading.Event()
     agreement.stop = stop
