@@ -108,6 +108,16 @@ def process_rows(sharding, batch_size: int) -> int:
     for index in sharding.addressable_devices_indices_map((batch_size,)).values():
         rows.update(range(*index[0].indices(batch_size)))
     per_process = batch_size // jax.process_count()
+    spanning = _axes_spanning_processes(sharding.mesh) if hasattr(sharding, "mesh") else None
+    batch_axes = _spec_axes(sharding)
+    if len(rows) != per_process and spanning and batch_axes and not set(batch_axes) & set(spanning):
+        raise ValueError(
+            f"The batch axes {batch_axes} lie within each process (all their devices are this process's), so every "
+            f"process would hold the whole batch of {batch_size} rows and feed each row {jax.process_count()} "
+            f"times. Shard the batch over the axes that span the processes, {spanning}: e.g. batch_axes="
+            f"{tuple(spanning)!r}, or batch_axes={tuple(spanning) + tuple(batch_axes)!r} to split it over both "
+            "(where the mesh's data axis is not first, list the data axes first in the mesh instead: trailing "
+            "axes stay within a process).")
     if len(rows) != per_process:
         raise ValueError(
             f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
@@ -117,6 +127,29 @@ def process_rows(sharding, batch_size: int) -> int:
             "axes after the data axes must divide that (e.g. tp=2 needs 2 devices per worker)."
         )
     return per_process
+
+
+def _axes_spanning_processes(mesh) -> list:
+    """Mesh axes along which this process's devices do not cover every position: the axes that split work
+    between processes."""
+    import jax
+    import numpy as np
+
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+    spanning = []
+    for i, name in enumerate(mesh.axis_names):
+        covered = np.any(mine, axis=tuple(j for j in range(mine.ndim) if j != i))
+        if not covered.all():
+            spanning.append(name)
+    return spanning
+
+
+def _spec_axes(sharding) -> tuple:
+    spec = getattr(sharding, "spec", None)
+    if not spec:
+        return ()
+    first = spec[0]
+    return () if first is None else ((first,) if isinstance(first, str) else tuple(first))
 
 
 def check_batch_size(batch_size: int, mesh, batch_axes: Optional[Sequence[str]] = None) -> int:
@@ -436,6 +469,8 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub" and value.size:
         _check_floats_become_integers(key, value, np.dtype(dtype))
         return
+    if value.dtype.kind in "fiu" and value.size:
+        _check_no_overflow_to_inf(key, value, dtype)
     if value.dtype.kind not in "iu" or not value.size:
         return
     target = np.dtype(dtype) if dtype is not None else value.dtype
@@ -468,6 +503,31 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
 
 
 _warned_rounding: set = set()
+
+
+def _check_no_overflow_to_inf(key: str, value: np.ndarray, dtype) -> None:
+    """Numbers narrowed to a smaller float (float16's largest is 65504) become inf with only numpy's warning, and
+    the loss turns inf or NaN steps later, far from the cause (a data review)."""
+    import jax
+
+    target = np.dtype(dtype) if dtype is not None else value.dtype
+    if not jax.numpy.issubdtype(target, jax.numpy.floating):  # bfloat16 too, whose numpy kind is "V"
+        return
+    if target.itemsize == 8 and not jax.config.jax_enable_x64:
+        target = np.dtype(np.float32)  # what device_put makes of float64
+    if value.dtype.kind == "f" and value.dtype.itemsize <= target.itemsize:
+        return
+    largest = float(jax.numpy.finfo(target).max)
+    if value.dtype.kind == "f":
+        biggest = float(np.max(np.abs(value), where=np.isfinite(value), initial=0.0))
+    else:
+        biggest = float(max(abs(int(value.min())), abs(int(value.max()))))
+    if biggest > largest:
+        raise ValueError(
+            f"Column {key!r} holds {value.dtype} values up to {biggest:g}"
+            f", past {target}'s largest ({largest:g}), to which it is converted on the way to the devices: they "
+            f"would become inf, silently. Use a dtypes entry that holds them (e.g. dtypes={{{key!r}: 'float32'}}), "
+            "or scale them first.")
 
 
 def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype) -> None:

@@ -698,6 +698,27 @@ def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
     assert "past bfloat16's exact range (+-256)" in caplog.text
 
 
+def test_numbers_that_would_overflow_to_inf_on_the_way_to_the_devices_are_refused():
+    """float64 features narrowed to float16 (largest 65504) became inf with only numpy's warning; the loss went
+    inf steps later (a data review). NaN and inf already there pass: they are the data's own."""
+    import jax.numpy as jnp
+
+    from ray_jax_train.data import _select
+
+    with pytest.raises(ValueError, match=r"Column 'x' holds float64 values up to 70000, past float16's largest"):
+        _select({"x": np.array([1.0, 7e4])}, None, {"x": np.float16})
+    with pytest.raises(ValueError, match=r"holds int64 values up to 70000, past float16's largest"):
+        _select({"n": np.array([-7e4, 3]).astype(np.int64)}, None, {"n": np.float16})
+    with pytest.raises(ValueError, match=r"past float32's largest"):  # JAX narrows float64 without x64
+        _select({"x": np.array([1e39])}, None, None)
+    with pytest.raises(ValueError, match=r"past bfloat16's largest"):
+        _select({"x": np.array([1e39])}, None, {"x": jnp.bfloat16})
+    kept = _select({"x": np.array([np.inf, np.nan, 6e4]), "y": np.array([1e6], np.float32)}, None,
+                   {"x": np.float16, "y": jnp.bfloat16})
+    assert np.isinf(kept["x"][0]) and np.isnan(kept["x"][1]) and kept["x"][2] == np.float16(6e4)
+    assert kept["y"].dtype == jnp.bfloat16
+
+
 def test_a_worker_group_ray_cannot_place_says_what_it_waits_for(ray_cluster, caplog):
     """Ray retries a placement that times out every minute without end (a lost node, another job holding the CPUs);
     the controller said nothing of ours, and a quiet run printed Ray's traceback twice a minute (an ops review). The

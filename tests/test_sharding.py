@@ -378,9 +378,27 @@ def layouts_loop(config):
         params = to_host(state["params"])
         if jax.process_index() == 0:
             np.savez(os.path.join(config["out"], f"params{len(out['layouts']) - 1}.npz"), **flat(params))
+    out["batch_axes_errors"] = batch_axes_errors()
     with open(os.path.join(config["out"], f"rank{jax.process_index()}.json"), "w") as f:
         json.dump(out, f)
     generate_over_both_processes(os.path.join(config["out"], "tokens.npy"))
+
+
+def batch_axes_errors():
+    """What a batch sharded over axes that stay within each process is told: the batch axes named, and the axes
+    that do span the processes offered (it was advice about axis order, for batch_axes=("tp",) too)."""
+    from ray_jax_train.data import process_rows
+
+    errors = {}
+    for name, axes, batch_axes in [("tp_as_batch", {"fsdp": 2, "tp": 2}, ("tp",)),
+                                   ("tp_first", {"tp": 2, "fsdp": 2}, None)]:
+        try:
+            process_rows(batch_sharding(make_mesh(axes), batch_axes), BATCH)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    errors["fine"] = process_rows(batch_sharding(make_mesh({"fsdp": 2, "tp": 2}), ("fsdp", "tp")), BATCH)
+    return errors
 
 
 def generate_over_both_processes(out: str):
@@ -445,6 +463,13 @@ def test_two_workers_four_layouts_match_single_device(two_workers, reference):
         assert max(layout["device_bytes"]) <= fsdp["replicated_bytes"] / 4 * 1.1, layout
     dp = ranks[0]["layouts"][RAY_LAYOUTS.index({"dp": 4})]
     assert min(dp["device_bytes"]) == dp["replicated_bytes"]  # the unsharded figure it is compared against
+    for info in ranks:
+        errors = info["batch_axes_errors"]
+        assert errors["fine"] == BATCH // 2
+        assert "batch axes ('tp',) lie within each process" in errors["tp_as_batch"], errors
+        assert "span the processes, ['fsdp']: e.g. batch_axes=('fsdp',)" in errors["tp_as_batch"], errors
+        assert "batch axes ('fsdp',) lie within each process" in errors["tp_first"], errors
+        assert "span the processes, ['tp']" in errors["tp_first"], errors
 
 
 def test_a_model_sharded_over_two_worker_processes_generates_the_same_tokens(two_workers):
