@@ -455,6 +455,8 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
         value = np.asarray(value)
         if value.dtype == object:
             value = _stack_object_column(key, value)
+        elif value.dtype.kind in "US":
+            raise TypeError(f"Column {key!r} holds text ({value.dtype}), which cannot become a jax.Array. {_TEXT_HINT}")
         dtype = dtypes.get(key) if isinstance(dtypes, Mapping) else dtypes
         _check_integers_fit(key, value, dtype)
         out[key] = value.astype(dtype, copy=False) if dtype is not None else value
@@ -588,12 +590,37 @@ _LAYOUT_HINT = ("A null in an integer column makes Ray Data hand the column over
                 "lists to one length in a map_batches step first, or leave the column out with columns=[...].")
 
 
+_TEXT_HINT = "Tokenise it into integer ids in a map_batches step first, or drop the column with columns=[...]."
+
+
 def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
     try:
         stacked = np.stack([np.asarray(item) for item in value])
     except ValueError:
         stacked = None
-    if stacked is None or stacked.dtype == object or stacked.dtype.kind in "USO":
+    first = value[0] if len(value) else None
+    nulls = [i for i, item in enumerate(value) if item is None]
+    if nulls:
+        raise TypeError(
+            f"Column {key!r} holds nulls (None, in {len(nulls)} of the {len(value)} rows of this read), which cannot "
+            "become part of a jax.Array. Fill or drop them in a map_batches/filter step first, or drop the column "
+            "with columns=[...].")
+    if isinstance(first, Mapping):
+        raise TypeError(
+            f"Column {key!r} holds nested records (dicts with keys {sorted(first)[:8]}), which cannot become one "
+            "jax.Array. Flatten them into columns of their own in a map_batches step first (e.g. "
+            f"batch['{key}_{sorted(first)[0] if first else 'x'}'] = ...), or drop the column with columns=[...].")
+    if isinstance(first, (str, bytes)) and (stacked is None or stacked.dtype.kind in "USO"):
+        raise TypeError(f"Column {key!r} holds text ({type(first).__name__}), which cannot become a jax.Array. "
+                        f"{_TEXT_HINT}")
+    if stacked is None:
+        shapes = sorted({np.shape(item) for item in value})
+        raise TypeError(
+            f"Column {key!r} holds rows of different shapes ({', '.join(map(str, shapes[:4]))}"
+            f"{', ...' if len(shapes) > 4 else ''}), which cannot become one jax.Array. Pad them to one length in "
+            "a map_batches step first (with a mask column if the padding must not count), or drop the column with "
+            "columns=[...].")
+    if stacked.dtype == object or stacked.dtype.kind in "USO":
         raise TypeError(
             f"Column {key!r} holds {value[0].__class__.__name__} values of varying shape or a non-numeric type, "
             "which cannot become a jax.Array. Tokenise/pad it in a map_batches step first, or drop it with "

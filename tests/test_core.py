@@ -698,6 +698,31 @@ def test_integers_that_would_wrap_on_the_way_to_the_devices_are_refused(caplog):
     assert "past bfloat16's exact range (+-256)" in caplog.text
 
 
+def test_columns_that_cannot_become_an_array_say_what_they_hold():
+    """A struct column was "dict values of varying shape", a null in a list column "NoneType values", and a numpy
+    text column passed on to fail inside device_put (a data review)."""
+    from ray_jax_train.data import _select
+
+    def ragged(*rows):
+        column = np.empty(len(rows), dtype=object)
+        column[:] = rows
+        return column
+
+    cases = [
+        (ragged({"a": 1, "b": [1.0]}, {"a": 2, "b": [2.0]}), r"nested records \(dicts with keys \['a', 'b'\]\).*"
+                                                           r"batch\['c_a'\]"),
+        (ragged("ab", "c"), r"holds text \(str\).*Tokenise"),
+        (np.array(["ab", "c"]), r"holds text \(<U2\)"),
+        (ragged(np.arange(2), np.arange(3)), r"rows of different shapes \(\(2,\), \(3,\)\).*Pad them"),
+        (ragged(np.arange(2), None, None), r"nulls \(None, in 2 of the 3 rows"),
+    ]
+    for column, message in cases:
+        with pytest.raises(TypeError, match=message):
+            _select({"c": column, "id": np.arange(len(column))}, None, None)
+    stacked = _select({"c": ragged(np.arange(2), np.arange(2, 4))}, None, None)["c"]
+    assert stacked.dtype.kind == "i" and stacked.tolist() == [[0, 1], [2, 3]]
+
+
 def test_numbers_that_would_overflow_to_inf_on_the_way_to_the_devices_are_refused():
     """float64 features narrowed to float16 (largest 65504) became inf with only numpy's warning; the loss went
     inf steps later (a data review). NaN and inf already there pass: they are the data's own."""
