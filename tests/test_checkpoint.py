@@ -554,11 +554,10 @@ def rollback_loop(config):
     except FileNotFoundError as exc:
         assert "does not exist: pass a checkpoint directory" in str(exc), exc
     os.remove(beside)
-    try:
-        abstract_state({"w": state["w"], "step": 5})
-        raise AssertionError("a Python int became a target")
-    except TypeError as exc:
-        assert "leaf ['step'] is a int (5), not an array" in str(exc), exc
+    # Python numbers and strings in the state are their own target (abstract_state refused them).
+    tagged = ckpt.save(20, {"w": state["w"], "step": 20, "lr": 0.5, "tag": "run-a"}, wait=True)
+    back = ckpt.restore(abstract_state({"w": state["w"], "step": 0, "lr": 0.0, "tag": ""}), tagged)
+    assert (int(back.state["step"]), float(back.state["lr"]), back.state["tag"]) == (20, 0.5, "run-a"), back.state
 
 
 def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp_path):
@@ -569,7 +568,8 @@ def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp
 
     names = os.listdir(tmp_path / "rollback")
     saved = sorted(m.group(1) for m in map(re.compile(r"checkpoint_(\d{9})_[0-9a-f]{8}$").match, names) if m)
-    assert saved == ["000000005", "000000010", "000000010"], names  # both step-10 saves; step 11 never committed
+    # Both step-10 saves and the tagged step 20; step 11 never committed.
+    assert saved == ["000000005", "000000010", "000000010", "000000020"], names
 
 
 def agreement_loop(config):
@@ -931,5 +931,7 @@ def test_states_and_metrics_orbax_or_ray_would_fail_on_are_refused_or_made_plain
     with pytest.raises(ValueError, match="has no leaves to save"):
         _check_savable({"opt": {}, "extra": None})
     _check_savable({"w": jnp.ones(2), "step": 5, "tag": "x", "n": np.int32(1)})
-    with pytest.raises(TypeError, match=r"\['step'\] is a int \(5\).*restore\(state\).*saved as int64"):
-        abstract_state({"w": jnp.ones(2), "step": 5})
+    target = abstract_state({"w": jnp.ones(2), "step": 5, "tag": "x", "on": True})  # numbers: their own target
+    assert (target["step"], target["tag"], target["on"]) == (5, "x", True)
+    with pytest.raises(TypeError, match=r"\['s'\] is a .*State, not an array, number or string"):
+        abstract_state({"s": State(jnp.ones(2))})

@@ -695,7 +695,8 @@ def abstract_state(state, shardings=None):
     """`jax.ShapeDtypeStruct`s (with shardings) for `state`, the target `restore` fills.
 
     `shardings`, a matching pytree of `Sharding`s, moves the target onto a different mesh (elastic resume).
-    numpy leaves without a sharding stay as they are: they restore as numpy, on the host. An nnx Module or
+    numpy leaves without a sharding stay as they are: they restore as numpy, on the host; so do Python numbers
+    and strings (a step counter kept as an int, a run tag), whose values are their own target. An nnx Module or
     Optimizer stands for its `nnx.state`, which restore gives back: `nnx.update(model, restored.state)`.
     """
     import jax
@@ -704,13 +705,14 @@ def abstract_state(state, shardings=None):
     state = _as_saved(state, "state", host_values="scalars" if shardings is None else "keep")
 
     def one(path, leaf, sharding=None):
+        if isinstance(leaf, (int, float, str)):  # bool is an int: a Python scalar restores as what it is
+            return leaf
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
-                            f"{type(leaf).__name__} ({leaf!r}), not an array, so it has no shape and dtype to "
-                            "restore into. Restore with the state itself as the target (restore(state): its "
-                            "values are the target) or restore(None, ...), or keep arrays in the state "
-                            "(np.asarray(step), jnp.asarray(step)) from the first save on: a Python int is saved "
-                            "as int64, a float as float64.")
+                            f"{type(leaf).__module__}.{type(leaf).__qualname__}, not an array, number or string, "
+                            "so it has no shape and dtype to restore into (nor could it have been saved). Make "
+                            "it a pytree of arrays (flax.struct.dataclass, a NamedTuple), or restore(None, ...) "
+                            "to read the state as saved.")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, np.ndarray):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
