@@ -108,9 +108,11 @@ def process_rows(sharding, batch_size: int) -> int:
     for index in sharding.addressable_devices_indices_map((batch_size,)).values():
         rows.update(range(*index[0].indices(batch_size)))
     per_process = batch_size // jax.process_count()
+    if len(rows) == per_process:
+        return per_process
     spanning = _axes_spanning_processes(sharding.mesh) if hasattr(sharding, "mesh") else None
     batch_axes = _spec_axes(sharding)
-    if len(rows) != per_process and spanning and batch_axes and not set(batch_axes) & set(spanning):
+    if spanning and batch_axes and not set(batch_axes) & set(spanning):
         raise ValueError(
             f"The batch axes {batch_axes} lie within each process (all their devices are this process's), so every "
             f"process would hold the whole batch of {batch_size} rows and feed each row {jax.process_count()} "
@@ -118,30 +120,23 @@ def process_rows(sharding, batch_size: int) -> int:
             f"{tuple(spanning)!r}, or batch_axes={tuple(spanning) + tuple(batch_axes)!r} to split it over both "
             "(where the mesh's data axis is not first, list the data axes first in the mesh instead: trailing "
             "axes stay within a process).")
-    if len(rows) != per_process:
-        raise ValueError(
-            f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
-            f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "
-            "mesh so that each process owns a distinct block of the batch. If they are first, a later axis (tp, "
-            f"sp) spans processes: this process has {jax.local_device_count()} devices, and the product of the "
-            "axes after the data axes must divide that (e.g. tp=2 needs 2 devices per worker)."
-        )
-    return per_process
+    raise ValueError(
+        f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
+        f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "
+        "mesh so that each process owns a distinct block of the batch. If they are first, a later axis (tp, "
+        f"sp) spans processes: this process has {jax.local_device_count()} devices, and the product of the "
+        "axes after the data axes must divide that (e.g. tp=2 needs 2 devices per worker)."
+    )
 
 
 def _axes_spanning_processes(mesh) -> list:
     """Mesh axes along which this process's devices do not cover every position: the axes that split work
     between processes."""
     import jax
-    import numpy as np
 
     mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
-    spanning = []
-    for i, name in enumerate(mesh.axis_names):
-        covered = np.any(mine, axis=tuple(j for j in range(mine.ndim) if j != i))
-        if not covered.all():
-            spanning.append(name)
-    return spanning
+    return [name for i, name in enumerate(mesh.axis_names)
+            if not np.any(mine, axis=tuple(j for j in range(mine.ndim) if j != i)).all()]
 
 
 def _spec_axes(sharding) -> tuple:
