@@ -738,7 +738,15 @@ def dropin_mistakes_loop(config):
             ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), path)
         except ValueError as exc:
             record["no_sharding"] = str(exc)
-    elif mode == "no_restore":  # a second fit of the run: Ray offers step 1's checkpoint, and the loop ignores it
+        # Host values that differ per worker: saved from process 0 only, every worker restored rank 0's copy.
+        try:
+            ckpt.save(2, {**state, "rng": np.array([rank, 7]), "seen": 10 + rank, "tag": "same"})
+        except ValueError as exc:
+            record["host_values_differ"] = str(exc)
+        agreed = ckpt.save(2, {**state, "rng": np.array([0, 7]), "seen": 10, "tag": "same"}, wait=True)
+        record["host_values_agreed"] = int(ckpt.restore(abstract_state({**state, "rng": np.zeros(2, np.int64),
+                                                                        "seen": 0, "tag": ""}), agreed).state["seen"])
+    elif mode == "no_restore":  # a second fit of the run: Ray offers step 2's checkpoint, and the loop ignores it
         ckpt.save(1, state, wait=True)  # the warning comes with this first save
         # Then, in the same fit (one worker group's start-up fewer), a Flax NNX user's own model and optimizer,
         # saved whole.
@@ -856,6 +864,9 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert "['step'], ['w'] (2 leaves) are ShapeDtypeStructs with no sharding" in record["no_sharding"]
     assert "abstract_state(state)" in record["no_sharding"]
     assert not [w for w in record["warnings"] if "restore() was not called" in w]
+    assert "host values ['rng'], ['seen'] differ between the 2 processes" in record["host_values_differ"], record
+    assert "np.random.default_rng([seed, rank, step])" in record["host_values_differ"]
+    assert record["host_values_agreed"] == 10
 
     # A second fit of the run that never restores; the same fit then saves and restores an NNX user's own Module
     # and Optimizer (a second review's findings).
@@ -863,7 +874,7 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert result.error is None, result.error
     record = json.loads((tmp_path / "no_restore.json").read_text())
     assert [w for w in record["warnings"]
-            if "already has a checkpoint of step 1" in w and "restore() was not called" in w], record["warnings"]
+            if "already has a checkpoint of step 2" in w and "restore() was not called" in w], record["warnings"]
     assert record["placed"] and record["kernel_spec"].endswith("(None, 'dp')"), record
     assert record["equal"] and record["step"] == ["ndarray", 3], record
     assert record["absl_info_enabled"] and record["absl_lines"] == ["the loop's own absl line"], record["absl_lines"][:5]

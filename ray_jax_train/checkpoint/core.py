@@ -640,6 +640,49 @@ def _check_savable(state) -> None:
                 "dict.")
 
 
+def _host_digests(state) -> Dict[str, str]:
+    """A digest of each host leaf (numpy, Python number or string) by path: what `_check_host_values_agree`
+    compares across processes."""
+    import hashlib
+
+    import jax
+
+    digests = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            leaf = np.asarray(leaf)
+            data = f"{leaf.dtype.str}{leaf.shape}".encode() + np.ascontiguousarray(leaf).tobytes()
+        elif isinstance(leaf, (int, float, str)):
+            data = repr(leaf).encode()
+        else:
+            continue
+        digests[jax.tree_util.keystr(path)] = hashlib.sha1(data).hexdigest()[:16]
+    return digests
+
+
+def _check_host_values_agree(state, timeout_ms: int) -> None:
+    """Host leaves are saved from process 0 alone and every process restores that copy: one that differs per
+    worker (a numpy RNG per worker, a per-worker counter) came back as rank 0's on every worker, and the resumed
+    run differed from an uninterrupted one without a word (a review: porting a pure-JAX loop). Collective: every
+    process saves in the same order, so all of them raise together or none does."""
+    if _sync.process_count() == 1:
+        return
+    mine = _host_digests(state)
+    if not mine:
+        return
+    everyone = [json.loads(s) for s in _sync.allgather("host_values", json.dumps(mine), timeout_ms=timeout_ms)]
+    differ = [path for path in mine if len({digests.get(path) for digests in everyone}) > 1]
+    if differ:
+        raise ValueError(
+            f"save(): the state's host value{'s' if len(differ) > 1 else ''} {', '.join(differ[:5])}"
+            f"{' ...' if len(differ) > 5 else ''} differ{'' if len(differ) > 1 else 's'} between the "
+            f"{_sync.process_count()} processes. A host leaf (numpy, a Python number or string) is saved from "
+            "process 0 only, and every process would restore that copy. Keep per-worker values out of the saved "
+            "state (derive a worker's random numbers from the seed, its rank and the step: "
+            "np.random.default_rng([seed, rank, step])), or agree on one value before saving (a sum or maximum "
+            "over the workers), or make it a jax.Array placed on the mesh.")
+
+
 class _PendingSave:
     def __init__(self, name: str, location: _Location, step: int, checksums=None, paths=None):
         self.name, self.location, self.step = name, location, step
@@ -1016,6 +1059,7 @@ class JaxCheckpointer:
         _check_json("data_state", data_state)
         state = _with_readable_shards(_as_saved(state))
         _check_savable(state)
+        _check_host_values_agree(state, self._timeout_ms)
         pending = _PendingSave(name, location, step, start_checksums(state) if self.verify else None,
                                leaf_paths(state))
         # Orbax opens a save with a barrier that is a device collective; it must not run beside a step still
