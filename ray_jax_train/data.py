@@ -706,7 +706,7 @@ class _Agreement:
                             f"iter_jax_batches ({self._opened}) is open on process {self._rank}, and process {p} "
                             f"will never open its matching iterator: {never}. Open the same iter_jax_batches calls "
                             "in the same order on every worker: each batch spans them all (evaluate on every "
-                            "worker, and let rank 0 alone write files, not read data).")
+                            "worker, and let rank 0 alone write files, not read data).") from None
                     break
             waited = time.monotonic() - started
             if len(answers) < self._size and waited > self._timeout_ms / 1000:
