@@ -284,7 +284,27 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(place, tree, shardings)
+    def place_leaf(path, x, sharding):
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+            raise TypeError(f"shard_by_rules: the leaf {jax.tree_util.keystr(path) or '(the tree itself)'} is a "
+                            f"{type(x).__module__}.{type(x).__qualname__}, not an array: JAX sees it as one opaque "
+                            f"value, with nothing to place.{unregistered_class_hint(x)}")
+        return place(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(place_leaf, tree, shardings)
+
+
+def unregistered_class_hint(leaf) -> str:
+    """Why a leaf that should be a pytree is not: a class from the driver's `__main__` reaches Ray's workers
+    rebuilt by value, without the `jax.tree_util` registration the script made at import (a review: porting a
+    pure-JAX loop; the errors told the user to register what they had registered)."""
+    if type(leaf).__module__ != "__main__":
+        return ""
+    return (" Its class is defined in the driver script (__main__): Ray rebuilds such a class in each worker "
+            "without its jax.tree_util registration (register_dataclass, register_pytree_node, "
+            "flax.struct.dataclass), so JAX sees one opaque object there. Define the class in a module the workers "
+            "import (a file beside the script, which runtime_env={'working_dir': '.'} ships), or register it "
+            "inside the training function.")
 
 
 def _is_nnx_object(value) -> bool:

@@ -923,6 +923,7 @@ def test_states_and_metrics_orbax_or_ray_would_fail_on_are_refused_or_made_plain
     directories; abstract_state's advice for a Python int leaf gave the wrong dtype."""
     import dataclasses
 
+    import jax
     import jax.numpy as jnp
 
     from ray_jax_train.checkpoint.core import _check_savable, _plain_metrics, abstract_state
@@ -939,6 +940,16 @@ def test_states_and_metrics_orbax_or_ray_would_fail_on_are_refused_or_made_plain
 
     with pytest.raises(ValueError, match=r"\['s'\] is a .*State, which orbax cannot save.*flax.struct.dataclass"):
         _check_savable({"s": State(jnp.ones(2)), "w": jnp.ones(2)})
+    # What a class registered in the driver's __main__ is in a Ray worker: rebuilt by value, not registered
+    # (simulated here by naming __main__ its module; Ray's pickling does the rest in a real worker). The errors
+    # told the user to register the class they had registered.
+    State.__module__ = "__main__"
+    for refuse in (lambda: _check_savable({"s": State(jnp.ones(2))}), lambda: abstract_state({"s": State(jnp.ones(2))}),
+                   lambda: rjt.shard_by_rules({"s": State(jnp.ones(2))}, rjt.make_mesh({"dp": -1}),
+                                              [(r".*", jax.sharding.PartitionSpec())])):
+        with pytest.raises((TypeError, ValueError), match=r"\['s'\] is a __main__.*State.*defined in the driver "
+                                                          r"script \(__main__\).*inside the training function"):
+            refuse()
     with pytest.raises(ValueError, match="has no leaves to save"):
         _check_savable({"opt": {}, "extra": None})
     _check_savable({"w": jnp.ones(2), "step": 5, "tag": "x", "n": np.int32(1)})

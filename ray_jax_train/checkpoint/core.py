@@ -627,6 +627,8 @@ def _check_savable(state) -> None:
     directory behind."""
     import jax
 
+    from ray_jax_train.sharding import unregistered_class_hint
+
     leaves = jax.tree_util.tree_leaves_with_path(state)
     if not leaves:
         raise ValueError("save(): the state has no leaves to save (an empty dict, or only None). Pass the arrays "
@@ -637,7 +639,7 @@ def _check_savable(state) -> None:
                 f"save(): the state's leaf {jax.tree_util.keystr(path) or '(the state itself)'} is a "
                 f"{type(leaf).__module__}.{type(leaf).__qualname__}, which orbax cannot save. Make it a pytree "
                 "(flax.struct.dataclass, jax.tree_util.register_dataclass, a NamedTuple) or save its fields in a "
-                "dict.")
+                f"dict.{unregistered_class_hint(leaf)}")
 
 
 def _host_digests(state) -> Dict[str, str]:
@@ -744,6 +746,8 @@ def abstract_state(state, shardings=None):
     """
     import jax
 
+    from ray_jax_train.sharding import unregistered_class_hint
+
     # The target of a save that kept host scalars as numpy; given shardings place every leaf themselves.
     state = _as_saved(state, "state", host_values="scalars" if shardings is None else "keep")
 
@@ -755,7 +759,7 @@ def abstract_state(state, shardings=None):
                             f"{type(leaf).__module__}.{type(leaf).__qualname__}, not an array, number or string, "
                             "so it has no shape and dtype to restore into (nor could it have been saved). Make "
                             "it a pytree of arrays (flax.struct.dataclass, a NamedTuple), or restore(None, ...) "
-                            "to read the state as saved.")
+                            f"to read the state as saved.{unregistered_class_hint(leaf)}")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, np.ndarray):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
