@@ -489,6 +489,23 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
         build_lm_dataset(datasets.Dataset.from_list([{"messages": CHAT}, {"messages": []}, {"messages": []}]),
                          str(tmp_path / "tok"), 128)
     assert "2 of the first 3 rows have no conversation ('messages' empty or null, no 'text' either)" in caplog.text
+    assert "outside its {% generation %} block" not in caplog.text  # the default template trains its eos
+    # A template that trains the content only, its eos outside the block (Qwen's and Llama 3's shape, tagged): the
+    # model never learns to end a turn (a numerics review); said on the driver.
+    from ray_jax_train.text import DEFAULT_CHAT_TEMPLATE
+
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace(
+        "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}",
+        "{% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_token }}")
+    try:
+        tokenizer.save_pretrained(tmp_path / "tok_content_only")
+    finally:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_lm_dataset(hf, str(tmp_path / "tok_content_only"), 128)
+    assert f"trains 3 assistant turns of the first conversations up to their content only: the token after each " \
+           f"({tokenizer.eos_token!r}) lies outside its {{% generation %}} block" in caplog.text, caplog.text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

@@ -95,7 +95,8 @@ def fresh_hyperparameters(abstract, new_state_fn):
 
 
 def init_params(config: LlamaConfig, mesh):
-    """A new model's parameters, born in their shardings (no host copy), equal to ``create_model(config)``'s.
+    """A new model's parameters, born in their shardings (no host copy): ``create_model(config)``'s, to within one
+    float32 rounding of each random weight (the separate programs round the init's scaling differently).
 
     One program per kind of part (``init_parts``), not one for the whole model: threefry's CPU lowering gives
     every random weight its own loop, so a whole-model program compiles for about 0.5-0.8 s more per layer on

@@ -253,7 +253,9 @@ def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: 
         log.warning("%d of the first %d conversations have an assistant turn with empty content: the model learns to "
                     "answer their prompts by ending its turn at once. Drop those turns or fill them.",
                     empty, len(conversations))
-    lengths = [len(doc) for doc in encode_chats(tokenizer, conversations)[0]]
+    docs, masks = encode_chats(tokenizer, conversations)
+    _warn_if_turn_ends_are_not_trained(tokenizer, docs, masks, log)
+    lengths = [len(doc) for doc in docs]
     long = [n for n in lengths if n > seq_len]
     if long:
         log.warning(
@@ -261,6 +263,28 @@ def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: 
             "split into rows trained apart, and an answer past a cut no longer sees its question. Raise "
             "training.max_sequence_length (up to the model's max_position_embeddings), or shorten or drop the long "
             "conversations.", len(long), len(lengths), seq_len, max(long))
+
+
+def _warn_if_turn_ends_are_not_trained(tokenizer, docs, masks, log) -> None:
+    """A chat template whose {% endgeneration %} comes before its end-of-turn token (`<|im_end|>`, `<|eot_id|>`)
+    leaves that token out of the loss: the model never learns to end its turn and generates on (a numerics
+    review; the default template keeps eos inside)."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    untrained = {}
+    for ids, mask in zip(docs, masks):
+        ends = np.flatnonzero((mask[:-1] == 1) & (mask[1:] == 0)) + 1  # first token after each assistant span
+        for i in ends:
+            # A turn trained up to a special token of its own ends fine; one whose trained tokens stop at its
+            # content, with a special token next, leaves that token (its end, or the next turn's start) untrained.
+            if int(ids[i - 1]) not in special and int(ids[i]) in special:
+                untrained[int(ids[i])] = untrained.get(int(ids[i]), 0) + 1
+    if untrained:
+        token = max(untrained, key=untrained.get)
+        log.warning("The chat template trains %d assistant turns of the first conversations up to their content "
+                    "only: the token after each (%r) lies outside its {%% generation %%} block, so the loss never "
+                    "trains the model to end its turn, and it will not stop generating. Put the turn's end token "
+                    "inside the block, before {%% endgeneration %%} (as DEFAULT_CHAT_TEMPLATE does with eos).",
+                    sum(untrained.values()), tokenizer.convert_ids_to_tokens(token))
 
 
 def build_lm_dataset(source, tokenizer, seq_len: int, *, format: str | None = None, **kwargs):
