@@ -84,7 +84,9 @@ class TrainingArguments(BaseModel):
     max_eval_steps: Optional[int] = Field(None, ge=1)
     shuffle_buffer_size: Optional[int] = Field(None, ge=1)
 
-    # Optimizer (AdamW) and schedule
+    # Optimizer (AdamW) and schedule, counted in optimizer steps (as Hugging Face's): with warmup, step 0 uses a
+    # learning rate of 0 and step warmup_steps the peak; cosine and linear then fall towards
+    # min_learning_rate_ratio x peak, reached at step total_steps (one past the last); "constant" warms up too.
     learning_rate: float = Field(3e-4, ge=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
