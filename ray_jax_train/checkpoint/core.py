@@ -1237,7 +1237,8 @@ class JaxCheckpointer:
         than every registered checkpoint (its run stopped before Ray registered it) is restored from instead. `partial=True` reads
         only the arrays `target` names (e.g. `{"params": ...}` out of a whole train state). `target=None` reads the
         whole state as saved, as numpy arrays on the host (nested dicts; on the driver, without rebuilding the
-        model or optimizer that made it), verified against the recorded checksums in a one-process job.
+        model or optimizer that made it), verified against the recorded checksums in a one-process job; a typed
+        PRNG key comes back as its uint32 key data there (`jax.random.wrap_key_data(x, impl=...)` makes it a key).
         """
         global _restore_called_in_process
         if target is not None:
