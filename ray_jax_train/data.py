@@ -450,12 +450,34 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
         value = np.asarray(value)
         if value.dtype == object:
             value = _stack_object_column(key, value)
-        elif value.dtype.kind in "US":
-            raise TypeError(f"Column {key!r} holds text ({value.dtype}), which cannot become a jax.Array. {_TEXT_HINT}")
         dtype = dtypes.get(key) if isinstance(dtypes, Mapping) else dtypes
+        if value.dtype.kind in "US":  # numbers written as text convert with a dtypes entry; other text cannot
+            text = value.dtype
+            try:
+                value = value.astype(dtype if dtype is not None else np.float64)
+            except ValueError:
+                raise TypeError(f"Column {key!r} holds text ({text}), which cannot become a jax.Array. "
+                                f"{_TEXT_HINT}") from None
+            if dtype is None:
+                raise TypeError(f"Column {key!r} holds numbers written as text ({text}). Give it a dtypes "
+                                f"entry (dtypes={{{key!r}: 'float32'}}) to convert them, or convert them in a "
+                                "map_batches step first.")
         _check_integers_fit(key, value, dtype)
         out[key] = value.astype(dtype, copy=False) if dtype is not None else value
     return out
+
+
+def _on_device(dtype) -> np.dtype:
+    """The dtype an array of `dtype` has once on the devices: JAX narrows 64-bit types without jax_enable_x64."""
+    import jax
+
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 8 and dtype.kind in "iuf" and not jax.config.jax_enable_x64:
+        return np.dtype({"i": np.int32, "u": np.uint32, "f": np.float32}[dtype.kind])
+    return dtype
+
+
+_X64_FIX = "jax.config.update('jax_enable_x64', True) in the training loop before any array is made"
 
 
 def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
@@ -463,17 +485,16 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     jax_enable_x64) both wrap silently, so an id of 2**31 would train as a negative number."""
     import jax
 
-    if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub" and value.size:
+    if not value.size:
+        return
+    if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub":
         _check_floats_become_integers(key, value, np.dtype(dtype))
         return
-    if value.dtype.kind in "fiu" and value.size:
-        _check_no_overflow_to_inf(key, value, dtype)
-    if value.dtype.kind not in "iu" or not value.size:
+    requested = np.dtype(dtype) if dtype is not None else value.dtype
+    target = _on_device(requested)
+    _check_no_overflow_to_inf(key, value, target, narrowed_by_jax=target != requested)
+    if value.dtype.kind not in "iu":
         return
-    target = np.dtype(dtype) if dtype is not None else value.dtype
-    narrowed_by_jax = target.itemsize == 8 and target.kind in "iuf" and not jax.config.jax_enable_x64
-    if narrowed_by_jax:
-        target = np.dtype({"i": np.int32, "u": np.uint32, "f": np.float32}[target.kind])  # what device_put makes
     if target.kind in "iu" and target.itemsize >= value.dtype.itemsize and target.kind == value.dtype.kind:
         return
     low, high = value.min(), value.max()
@@ -489,8 +510,7 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
         return
     info = np.iinfo(target)
     if low < info.min or high > info.max:
-        wider = ("64-bit integers on the devices: jax.config.update('jax_enable_x64', True) in the training loop "
-                 "before any array is made" if narrowed_by_jax else
+        wider = (f"64-bit integers on the devices: {_X64_FIX}" if target != requested else
                  f"an integer dtypes entry that holds them (dtypes={{{key!r}: ...}})")
         raise ValueError(
             f"Column {key!r} holds {value.dtype} values from {low} to {high}, outside {target}'s range "
@@ -502,29 +522,35 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
 _warned_rounding: set = set()
 
 
-def _check_no_overflow_to_inf(key: str, value: np.ndarray, dtype) -> None:
+def _check_no_overflow_to_inf(key: str, value: np.ndarray, target: np.dtype, *, narrowed_by_jax: bool) -> None:
     """Numbers narrowed to a smaller float (float16's largest is 65504) become inf with only numpy's warning, and
     the loss turns inf or NaN steps later, far from the cause (a data review)."""
-    import jax
+    import jax.numpy as jnp
 
-    target = np.dtype(dtype) if dtype is not None else value.dtype
-    if not jax.numpy.issubdtype(target, jax.numpy.floating):  # bfloat16 too, whose numpy kind is "V"
+    if not jnp.issubdtype(target, jnp.floating):  # bfloat16 too, whose numpy kind is "V"
         return
-    if target.itemsize == 8 and not jax.config.jax_enable_x64:
-        target = np.dtype(np.float32)  # what device_put makes of float64
-    if value.dtype.kind == "f" and value.dtype.itemsize <= target.itemsize:
-        return
-    largest = float(jax.numpy.finfo(target).max)
-    if value.dtype.kind == "f":
-        biggest = float(np.max(np.abs(value), where=np.isfinite(value), initial=0.0))
+    if value.dtype.kind in "iu":
+        source_largest = float(np.iinfo(value.dtype).max)
+    elif jnp.issubdtype(value.dtype, jnp.floating):
+        source_largest = float(jnp.finfo(value.dtype).max)
     else:
-        biggest = float(max(abs(int(value.min())), abs(int(value.max()))))
-    if biggest > largest:
+        return
+    info = jnp.finfo(target)
+    # Values from here on round to inf (round to nearest: half an ulp past the largest still rounds down to it).
+    limit = float(info.max) + 2.0 ** (info.maxexp - info.nmant - 2)
+    if source_largest < limit:
+        return  # nothing this column's type holds can overflow (int32 into float32, float16 into bfloat16)
+    low, high = value.min(), value.max()
+    if value.dtype.kind == "f" and not (np.isfinite(low) and np.isfinite(high)):  # NaN or inf of the data's own
+        low = high = np.max(np.abs(value), where=np.isfinite(value), initial=0.0)
+    biggest = max(abs(float(low)), abs(float(high)))
+    if biggest >= limit:
+        fix = (f"keep 64-bit floats on the devices ({_X64_FIX})" if narrowed_by_jax else
+               f"use a dtypes entry that holds them (e.g. dtypes={{{key!r}: 'float32'}})")
         raise ValueError(
-            f"Column {key!r} holds {value.dtype} values up to {biggest:g}"
-            f", past {target}'s largest ({largest:g}), to which it is converted on the way to the devices: they "
-            f"would become inf, silently. Use a dtypes entry that holds them (e.g. dtypes={{{key!r}: 'float32'}}), "
-            "or scale them first.")
+            f"Column {key!r} holds {value.dtype} values up to {biggest:g}, past {target}'s largest "
+            f"({float(info.max):g}), to which it is converted on the way to the devices: they would become inf, "
+            f"silently. Scale them first, or {fix}.")
 
 
 def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype) -> None:
@@ -585,6 +611,13 @@ _LAYOUT_HINT = ("A null in an integer column makes Ray Data hand the column over
                 "lists to one length in a map_batches step first, or leave the column out with columns=[...].")
 
 
+def _shape_of(item):
+    try:
+        return np.shape(item)
+    except ValueError:  # ragged within a row: numpy refuses to give it a shape
+        return f"ragged {type(item).__name__} of {len(item)}"
+
+
 _TEXT_HINT = "Tokenise it into integer ids in a map_batches step first, or drop the column with columns=[...]."
 
 
@@ -609,7 +642,7 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
         raise TypeError(f"Column {key!r} holds text ({type(first).__name__}), which cannot become a jax.Array. "
                         f"{_TEXT_HINT}")
     if stacked is None:
-        shapes = sorted({np.shape(item) for item in value})
+        shapes = sorted({_shape_of(item) for item in value}, key=str)
         raise TypeError(
             f"Column {key!r} holds rows of different shapes ({', '.join(map(str, shapes[:4]))}"
             f"{', ...' if len(shapes) > 4 else ''}), which cannot become one jax.Array. Pad them to one length in "

@@ -555,9 +555,12 @@ def rollback_loop(config):
         assert "does not exist: pass a checkpoint directory" in str(exc), exc
     os.remove(beside)
     # Python numbers and strings in the state are their own target (abstract_state refused them).
-    tagged = ckpt.save(20, {"w": state["w"], "step": 20, "lr": 0.5, "tag": "run-a"}, wait=True)
-    back = ckpt.restore(abstract_state({"w": state["w"], "step": 0, "lr": 0.0, "tag": ""}), tagged)
+    tagged = ckpt.save(20, {"w": state["w"], "step": 20, "lr": 0.5, "tag": "run-a", "n": np.int64(7),
+                            "m": np.float32(1.5)}, wait=True)
+    back = ckpt.restore(abstract_state({"w": state["w"], "step": 0, "lr": 0.0, "tag": "", "n": np.int64(0),
+                                        "m": np.float32(0)}), tagged)
     assert (int(back.state["step"]), float(back.state["lr"]), back.state["tag"]) == (20, 0.5, "run-a"), back.state
+    assert (int(back.state["n"]), float(back.state["m"])) == (7, 1.5), back.state
 
 
 def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp_path):

@@ -721,6 +721,14 @@ def test_columns_that_cannot_become_an_array_say_what_they_hold():
     for column, message in cases:
         with pytest.raises(TypeError, match=message):
             _select({"c": column, "id": np.arange(len(column))}, None, None)
+    with pytest.raises(TypeError, match=r"rows of different shapes \(\(1, 1\), ragged list of 2\)"):
+        _select({"c": ragged([[1, 2], [3]], [[1]])}, None, None)  # numpy cannot even give the first a shape
+    # Numbers written as text convert where a dtypes entry says to what; without one they are named.
+    assert _select({"c": np.array(["1.5", "2"])}, None, {"c": np.float32})["c"].tolist() == [1.5, 2.0]
+    with pytest.raises(TypeError, match=r"holds numbers written as text \(<U3\).*dtypes=\{'c': 'float32'\}"):
+        _select({"c": np.array(["1.5", "2"])}, None, None)
+    with pytest.raises(TypeError, match=r"holds text \(<U2\)"):
+        _select({"c": np.array(["ab", "c"])}, None, {"c": np.float32})
     stacked = _select({"c": ragged(np.arange(2), np.arange(2, 4))}, None, None)["c"]
     assert stacked.dtype.kind == "i" and stacked.tolist() == [[0, 1], [2, 3]]
 
@@ -736,10 +744,16 @@ def test_numbers_that_would_overflow_to_inf_on_the_way_to_the_devices_are_refuse
         _select({"x": np.array([1.0, 7e4])}, None, {"x": np.float16})
     with pytest.raises(ValueError, match=r"holds int64 values up to 70000, past float16's largest"):
         _select({"n": np.array([-7e4, 3]).astype(np.int64)}, None, {"n": np.float16})
-    with pytest.raises(ValueError, match=r"past float32's largest"):  # JAX narrows float64 without x64
+    with pytest.raises(ValueError, match=r"past float32's largest.*jax_enable_x64"):  # JAX narrows float64
         _select({"x": np.array([1e39])}, None, None)
-    with pytest.raises(ValueError, match=r"past bfloat16's largest"):
+    with pytest.raises(ValueError, match=r"past bfloat16's largest.*dtypes=\{'x': 'float32'\}"):
         _select({"x": np.array([1e39])}, None, {"x": jnp.bfloat16})
+    with pytest.raises(ValueError, match=r"holds bfloat16 values up to 70144, past float16's largest"):
+        _select({"x": np.array([7e4]).astype(jnp.bfloat16)}, None, {"x": np.float16})
+    # Up to half an ulp past the largest, values round down to it: not inf, so not refused.
+    assert _select({"x": np.array([65519.0])}, None, {"x": np.float16})["x"][0] == np.float16(65504)
+    with pytest.raises(ValueError, match=r"values up to 65520, past float16's largest"):
+        _select({"x": np.array([65520.0])}, None, {"x": np.float16})
     kept = _select({"x": np.array([np.inf, np.nan, 6e4]), "y": np.array([1e6], np.float32)}, None,
                    {"x": np.float16, "y": jnp.bfloat16})
     assert np.isinf(kept["x"][0]) and np.isnan(kept["x"][1]) and kept["x"][2] == np.float16(6e4)

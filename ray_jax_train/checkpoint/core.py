@@ -752,8 +752,8 @@ def abstract_state(state, shardings=None):
     state = _as_saved(state, "state", host_values="scalars" if shardings is None else "keep")
 
     def one(path, leaf, sharding=None):
-        if isinstance(leaf, (int, float, str)):  # bool is an int: a Python scalar restores as what it is
-            return leaf
+        if isinstance(leaf, (int, float, str)) and not isinstance(leaf, np.generic):  # bool is an int
+            return leaf  # a Python scalar restores as what it is
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
                             f"{type(leaf).__module__}.{type(leaf).__qualname__}, not an array, number or string, "
@@ -761,7 +761,7 @@ def abstract_state(state, shardings=None):
                             "it a pytree of arrays (flax.struct.dataclass, a NamedTuple), or restore(None, ...) "
                             f"to read the state as saved.{unregistered_class_hint(leaf)}")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
-        if sharding is None and isinstance(leaf, np.ndarray):
+        if sharding is None and isinstance(leaf, (np.ndarray, np.generic)):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
@@ -1240,9 +1240,13 @@ class JaxCheckpointer:
         model or optimizer that made it), verified against the recorded checksums in a one-process job; a typed
         PRNG key comes back as its uint32 key data there (`jax.random.wrap_key_data(x, impl=...)` makes it a key).
         """
+        import jax
+
         global _restore_called_in_process
         if target is not None:
             target = _as_saved(target, "restore target", host_values="keep")
+            # orbax restores into a 0-d array, not into a numpy scalar ("Unsupported type", read as corrupt).
+            target = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.generic) else x, target)
             _check_target_shardings(target)
         self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
