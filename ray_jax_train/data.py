@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ray_jax_train.mesh import batch_axes_of
+from ray_jax_train.mesh import BATCH_AXES, batch_axes_of
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,15 @@ def process_rows(sharding, batch_size: int) -> int:
     spanning = _axes_spanning_processes(sharding.mesh) if hasattr(sharding, "mesh") else None
     batch_axes = _spec_axes(sharding)
     if spanning and batch_axes and not set(batch_axes) & set(spanning):
+        data_axes = [name for name in spanning if name in BATCH_AXES]
+        fix = (f"Shard the batch over the data axes that span the processes: batch_axes={tuple(data_axes)!r}, or "
+               f"batch_axes={tuple(data_axes) + tuple(batch_axes)!r} to split it over both." if data_axes else
+               f"List the data axes first in the mesh (e.g. {{{batch_axes[0]!r}: ..., {spanning[-1]!r}: ...}}): the "
+               "trailing axes stay within a process, the leading ones span the processes.")
         raise ValueError(
             f"The batch axes {batch_axes} lie within each process (all their devices are this process's), so every "
             f"process would hold the whole batch of {batch_size} rows and feed each row {jax.process_count()} "
-            f"times. Shard the batch over the axes that span the processes, {spanning}: e.g. batch_axes="
-            f"{tuple(spanning)!r}, or batch_axes={tuple(spanning) + tuple(batch_axes)!r} to split it over both "
-            "(where the mesh's data axis is not first, list the data axes first in the mesh instead: trailing "
-            "axes stay within a process).")
+            f"times; the axes that span the processes are {spanning}. {fix}")
     raise ValueError(
         f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
         f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "

@@ -285,6 +285,8 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def place_leaf(path, x, sharding):
+        if isinstance(x, str):
+            return x  # a run tag: nothing to place, and save() keeps it as it is
         if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
             raise TypeError(f"shard_by_rules: the leaf {jax.tree_util.keystr(path) or '(the tree itself)'} is a "
                             f"{type(x).__module__}.{type(x).__qualname__}, not an array: JAX sees it as one opaque "
@@ -300,11 +302,11 @@ def unregistered_class_hint(leaf) -> str:
     pure-JAX loop; the errors told the user to register what they had registered)."""
     if type(leaf).__module__ != "__main__":
         return ""
-    return (" Its class is defined in the driver script (__main__): Ray rebuilds such a class in each worker "
-            "without its jax.tree_util registration (register_dataclass, register_pytree_node, "
-            "flax.struct.dataclass), so JAX sees one opaque object there. Define the class in a module the workers "
-            "import (a file beside the script, which runtime_env={'working_dir': '.'} ships), or register it "
-            "inside the training function.")
+    return (" Its class is defined in the driver script (__main__). If the script registers it as a pytree "
+            "(register_dataclass, register_pytree_node, flax.struct.dataclass), that registration does not reach "
+            "Ray's workers, which rebuild such a class without it, so JAX sees one opaque object there: define the "
+            "class in a module the workers import (a file beside the script, which runtime_env={'working_dir': "
+            "'.'} ships), or register it inside the training function.")
 
 
 def _is_nnx_object(value) -> bool:

@@ -467,9 +467,10 @@ def test_two_workers_four_layouts_match_single_device(two_workers, reference):
         errors = info["batch_axes_errors"]
         assert errors["fine"] == BATCH // 2
         assert "batch axes ('tp',) lie within each process" in errors["tp_as_batch"], errors
-        assert "span the processes, ['fsdp']: e.g. batch_axes=('fsdp',)" in errors["tp_as_batch"], errors
+        assert "the axes that span the processes are ['fsdp']. Shard the batch over the data axes that span the " \
+               "processes: batch_axes=('fsdp',)" in errors["tp_as_batch"], errors
         assert "batch axes ('fsdp',) lie within each process" in errors["tp_first"], errors
-        assert "span the processes, ['tp']" in errors["tp_first"], errors
+        assert "are ['tp']. List the data axes first in the mesh (e.g. {'fsdp': ..., 'tp': ...})" in errors["tp_first"]
 
 
 def test_a_model_sharded_over_two_worker_processes_generates_the_same_tokens(two_workers):

@@ -506,6 +506,19 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
         build_lm_dataset(hf, str(tmp_path / "tok_content_only"), 128)
     assert f"trains 3 assistant turns of the first conversations up to their content only: the token after each " \
            f"({tokenizer.eos_token!r}) lies outside its {{% generation %}} block" in caplog.text, caplog.text
+    # ChatML's shape, tagged: the end token and a newline inside the block, the next turn's header after it. The
+    # turn trains its end: no warning (its last trained token is the newline, the next one a special header).
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace(
+        "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}",
+        "{% generation %}{{ message['content'] + eos_token + '\\n' }}{% endgeneration %}")
+    try:
+        tokenizer.save_pretrained(tmp_path / "tok_chatml")
+    finally:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        build_lm_dataset(hf, str(tmp_path / "tok_chatml"), 128)
+    assert "outside its {% generation %} block" not in caplog.text, caplog.text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

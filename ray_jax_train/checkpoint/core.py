@@ -653,12 +653,17 @@ def _host_digests(state) -> Dict[str, str]:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(leaf, (np.ndarray, np.generic)):
             leaf = np.asarray(leaf)
-            data = f"{leaf.dtype.str}{leaf.shape}".encode() + np.ascontiguousarray(leaf).tobytes()
+            if leaf.dtype.hasobject:
+                continue  # compared by pointer it would always differ; orbax cannot save it anyway
+            if leaf.dtype.kind in "fc":  # -0.0 and 0.0, and NaNs of other payloads, are the same value
+                leaf = np.where(np.isnan(leaf), np.nan, leaf + 0.0).astype(leaf.dtype)
+            digest = hashlib.sha1(f"{leaf.dtype.str}{leaf.shape}".encode())
+            digest.update(memoryview(np.ascontiguousarray(leaf)).cast("B"))
         elif isinstance(leaf, (int, float, str)):
-            data = repr(leaf).encode()
+            digest = hashlib.sha1(repr(leaf + 0.0 if isinstance(leaf, float) else leaf).encode())
         else:
             continue
-        digests[jax.tree_util.keystr(path)] = hashlib.sha1(data).hexdigest()[:16]
+        digests[jax.tree_util.keystr(path)] = digest.hexdigest()[:16]
     return digests
 
 
@@ -681,8 +686,9 @@ def _check_host_values_agree(state, timeout_ms: int) -> None:
             f"{_sync.process_count()} processes. A host leaf (numpy, a Python number or string) is saved from "
             "process 0 only, and every process would restore that copy. Keep per-worker values out of the saved "
             "state (derive a worker's random numbers from the seed, its rank and the step: "
-            "np.random.default_rng([seed, rank, step])), or agree on one value before saving (a sum or maximum "
-            "over the workers), or make it a jax.Array placed on the mesh.")
+            "np.random.default_rng([seed, rank, step]); a time or host name can go into the metrics instead), "
+            "or agree on one value before saving (a sum or maximum over the workers), or make it a jax.Array "
+            "placed on the mesh.")
 
 
 class _PendingSave:

@@ -269,15 +269,16 @@ def _warn_if_turn_ends_are_not_trained(tokenizer, docs, masks, log) -> None:
     """A chat template whose {% endgeneration %} comes before its end-of-turn token (`<|im_end|>`, `<|eot_id|>`)
     leaves that token out of the loss: the model never learns to end its turn and generates on (a numerics
     review; the default template keeps eos inside)."""
-    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    special = np.asarray(sorted(getattr(tokenizer, "all_special_ids", None) or []))
     untrained = {}
     for ids, mask in zip(docs, masks):
-        ends = np.flatnonzero((mask[:-1] == 1) & (mask[1:] == 0)) + 1  # first token after each assistant span
-        for i in ends:
-            # A turn trained up to a special token of its own ends fine; one whose trained tokens stop at its
-            # content, with a special token next, leaves that token (its end, or the next turn's start) untrained.
-            if int(ids[i - 1]) not in special and int(ids[i]) in special:
-                untrained[int(ids[i])] = untrained.get(int(ids[i]), 0) + 1
+        edges = np.diff(np.concatenate([[0], mask, [0]]))
+        for start, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            # A turn that trains a special token of its own (eos, `<|im_end|>` then a newline) learns to end;
+            # one that trains its content only, with a special token next, does not. Content cannot hold special
+            # tokens (`_check_no_special_token_text`), so the turn's own end is the only one it can train.
+            if end < len(ids) and not np.isin(ids[start:end], special).any() and np.isin(ids[end], special):
+                untrained[int(ids[end])] = untrained.get(int(ids[end]), 0) + 1
     if untrained:
         token = max(untrained, key=untrained.get)
         log.warning("The chat template trains %d assistant turns of the first conversations up to their content "

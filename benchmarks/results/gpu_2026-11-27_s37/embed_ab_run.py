@@ -1,4 +1,5 @@
-"""Device A/B (not committed): the built-in step before/after the float32 embedding-gradient change."""
+"""Session 37's device A/B: the built-in step before/after the float32 embedding-gradient change (the old
+package was unpacked into ab_tmp/old/ beside it for the call; kept here as the record of how the figures were made)."""
 import json, os, subprocess, sys, time, types
 sys.path.insert(0, "benchmarks")
 import gpu_session as G
