@@ -253,7 +253,7 @@ class JaxTrainer(DataParallelTrainer):
 
     def _create_default_callbacks(self):
         return _without_blind_cleaner(super()._create_default_callbacks()) + [
-            AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits()]
+            AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits(), ToleratesRemovedCheckpoints()]
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -355,6 +355,33 @@ class SaysWhyItWaits(ControllerCallback):
             return
         self._waits += 1
         logger.warning("ray-jax-train: %s", waiting_message(self._scaling, self._waits))
+
+
+class ToleratesRemovedCheckpoints(ControllerCallback):
+    """A checkpoint directory removed by hand mid-run (to free disk, say) ended the run at Ray's next retention step:
+    Ray's checkpoint manager deletes the checkpoints past num_to_keep through `delete_fs_path`, which raises
+    FileNotFoundError for a path already gone, in the controller, where FailureConfig retries nothing (a
+    failure-injection review). Nothing is lost by skipping that deletion: Ray has already dropped the checkpoint
+    from its record, and the workers' restores fall back past a missing one."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        try:
+            from ray.train.v2._internal.execution.checkpoint import checkpoint_manager
+        except ImportError:  # another Ray layout: its own behaviour stands
+            return
+        delete = checkpoint_manager.delete_fs_path
+        if getattr(delete, "_tolerates_removed", False):
+            return
+
+        def delete_unless_gone(fs, fs_path):
+            try:
+                delete(fs, fs_path)
+            except FileNotFoundError:
+                logger.warning("ray-jax-train: checkpoint %s was removed outside the run before Ray's retention "
+                               "(num_to_keep) came to delete it; nothing left to delete, training goes on.", fs_path)
+
+        delete_unless_gone._tolerates_removed = True
+        checkpoint_manager.delete_fs_path = delete_unless_gone
 
 
 # Ray's controller logs each failed placement with its whole traceback, twice (the control loop, the failure policy);

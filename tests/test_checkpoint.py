@@ -575,6 +575,32 @@ def test_failed_save_and_rollback_leave_every_checkpoint_usable(ray_cluster, tmp
     assert saved == ["000000005", "000000010", "000000010", "000000020"], names
 
 
+def removed_checkpoint_loop(config):
+    """Saves, with the first checkpoint's directory removed by hand before Ray's retention deletes it."""
+    import shutil
+
+    import jax.numpy as jnp
+
+    from ray_jax_train.checkpoint import JaxCheckpointer
+
+    ckpt = JaxCheckpointer(handle_preemption=False)
+    first = ckpt.save(1, {"w": jnp.ones(2)}, wait=True)
+    shutil.rmtree(first.removeprefix("file://"))
+    for step in (2, 3):
+        ckpt.save(step, {"w": jnp.ones(2) * step}, wait=True)
+    ckpt.close()
+
+
+def test_a_checkpoint_removed_by_hand_mid_run_does_not_end_it(ray_cluster, tmp_path):
+    """Ray's retention (num_to_keep) deleted the removed directory's path again and raised FileNotFoundError in the
+    controller: the run ended with a ControllerError that no FailureConfig retries (a failure-injection review)."""
+    trainer = rjt.JaxTrainer(removed_checkpoint_loop, run_config=RunConfig(
+        name="removed", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(num_to_keep=1)))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    assert sorted(p.name[:20] for p in (tmp_path / "removed").glob("checkpoint_0*")) == ["checkpoint_000000003"]
+
+
 def agreement_loop(config):
     """Many rounds of the checkpointer's host-side agreement, as a long run's preemption checks make them."""
     import jax
