@@ -469,6 +469,22 @@ def test_sigterm_is_seen_when_every_check_falls_on_a_periodic_save(monkeypatch):
             assert signals.sigterm_received() == exit_after  # kept training: handled, the grace timer is off
         finally:
             signal.signal(signal.SIGTERM, previous)
+    # A SIGTERM saved on the loop's last step lets the loop finish: the worker ended there, and a run that had
+    # trained to the end failed (a failure-injection review).
+    released, saved = [], []
+    monkeypatch.setattr(signals, "_sigterm", signals._SigtermState())
+    monkeypatch.setattr(signals, "release_sigterm", lambda: released.append(time.time()))
+    try:
+        ckpt = JaxCheckpointer(preemption_check_every=1, sigterm_grace_s=60)
+        ckpt.save = lambda step, state, wait=False, **kwargs: saved.append((step, wait))
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not signals.sigterm_received() and time.time() < deadline:
+            time.sleep(0.01)
+        assert ckpt.maybe_save(3, None, final=True) and saved == [(3, True)], saved
+        assert released == [] and not signals.sigterm_received()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_sigterm_after_the_controller_died_ends_the_worker_without_a_save(monkeypatch, caplog):

@@ -1158,9 +1158,12 @@ class JaxCheckpointer:
         metrics: Union[None, Mapping[str, Any], Callable[[], Mapping[str, Any]]] = None,
         data_state: Any = None,
         validation: Any = False,
+        final: bool = False,
     ) -> bool:
         """Call once per step (after the step): saves when `should_save(step)`. Returns whether it saved.
-        `validation` is passed to `save` on the steps that save."""
+        `validation` is passed to `save` on the steps that save. `final=True` on the loop's last step: a SIGTERM
+        saved there lets the loop finish (the run ends done) instead of ending the worker, which failed a run that
+        had trained to the end (a failure-injection review)."""
         signals.maybe_inject_fault(step)
         save, why = self.should_save(step)
         if not save:
@@ -1168,7 +1171,7 @@ class JaxCheckpointer:
         preempted = why in ("sigterm", "preemption")
         self.save(step, state, metrics=metrics, data_state=data_state, wait=preempted, validation=validation)
         if why == "sigterm" and signals.sigterm_received():
-            if self.exit_after_sigterm_save:
+            if self.exit_after_sigterm_save and not final:
                 logger.warning("Checkpoint for step %d registered after SIGTERM; exiting this worker.", step)
                 signals.release_sigterm()
             else:

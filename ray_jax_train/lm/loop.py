@@ -310,7 +310,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         finish_log_ahead()
                 if checkpointer is not None:
                     if checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
-                                               data_state={**position, "batch_size": args.batch_size}):
+                                               data_state={**position, "batch_size": args.batch_size},
+                                               final=step >= total_steps):
                         throughput.restart_if_just_read()
                 if step >= total_steps:
                     break
