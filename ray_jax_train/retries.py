@@ -5,11 +5,12 @@ with `max_failures=-1`.
 
 An exception class says it is such an error with the class attribute `retry_repeats_it = True`; the library's own
 (CheckpointMismatchError, NonFiniteLossError, NoLossTokensError, NoFullBatchError, TextDataError) do, and a
-custom loop's exceptions may too. The worker marks the error it raises when such an error is in its chain (as the
+custom loop's exceptions may too; so does a permission error (EACCES, EPERM, EROFS: storage the run may not write in). The worker marks the error it raises when such an error is in its chain (as the
 `from` cause of another, say): the chain does not survive the trip to the controller, the mark does.
 """
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Iterator
 
@@ -33,9 +34,15 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
                       *(getattr(error, "worker_failures", None) or {}).values()])
 
 
+# Storage the run may not write in: a retry writes there again. With max_failures=-1 an unwritable run directory
+# restarted the workers 29 times in 150 s, without end (a failure-injection review).
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def repeats_on_retry(exc: BaseException) -> bool:
     """Whether `exc`, an error in its chain, or a worker's error inside a failed run is one a retry repeats."""
-    return any(getattr(error, "retry_repeats_it", False) is True for error in _causes(exc))
+    return any(getattr(error, "retry_repeats_it", False) is True
+               or (isinstance(error, OSError) and error.errno in _UNWRITABLE) for error in _causes(exc))
 
 
 def marking_repeated_errors(train_func):

@@ -1,4 +1,5 @@
 """Bad input fails early with a message that names the problem and the fix (driver side, no workers)."""
+import errno
 import logging
 import os
 
@@ -600,8 +601,11 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
     wrapped.__cause__ = MissingColumnError("no text column")
     # The chain is lost on the way (a review: a wrapped error was retried); the worker's mark is not.
     assert not repeats_on_retry(pickle.loads(pickle.dumps(wrapped)))
+    unwritable = RuntimeError("saving the model failed")
+    unwritable.__cause__ = PermissionError(errno.EACCES, "Permission denied", "/runs/x/final_model")
     for repeated in (CheckpointMismatchError("shapes differ"), wrapped, _MyDataIsWrong("bad"),
-                     rjt.NonFiniteLossError("nan"), rjt.NoFullBatchError("too few rows")):
+                     rjt.NonFiniteLossError("nan"), rjt.NoFullBatchError("too few rows"), unwritable,
+                     OSError(errno.EROFS, "Read-only file system")):
         policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
         decision = policy.make_decision(failed(lost, as_the_controller_gets_it(repeated)))
         assert decision == FailureDecision.RAISE, repeated
@@ -611,3 +615,4 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
             policy.make_decision(failed(lost))] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
     # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
     assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))
+    assert not repeats_on_retry(ConnectionError(errno.ECONNRESET, "reset")) and not repeats_on_retry(OSError(errno.EIO, "io"))
