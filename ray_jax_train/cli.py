@@ -585,7 +585,8 @@ def _say_it_resumes(info) -> None:
     if info.get("resumes_from") is None:
         return
     # "latest": the workers check it, and fall back to the one before if it does not restore (a chaos review).
-    where = f"its latest checkpoint, at step {at}" if at is not None else info["resumes_from"]
+    where = (f"its latest checkpoint, at step {at} (or an earlier one, where that one does not restore)"
+             if at is not None else info["resumes_from"])
     print(f"[ray-jax-train] run {info['name']} exists: it resumes from {where} (a new run needs another "
           "run.name)", flush=True)
     if at is not None and at >= total:
