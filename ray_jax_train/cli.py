@@ -438,6 +438,10 @@ def _error_line(exc: BaseException) -> str:
     else:
         text = str(cause).strip().splitlines()
         message = text[-1] if text else ""
+        if re.search(r"^\s*class_name: TrainController$", str(cause), re.M):  # Ray's text blames a worker's OOM
+            pid = re.search(r"^\s*pid: (\S+)", str(cause), re.M)
+            message = (f"the run's controller (Ray Train's TrainController actor{f', pid {pid.group(1)}' if pid else ''}"
+                       f") died, and the workers with it; the checkpoints saved so far stand. {_shortened(message, 200)}")
     message = message if len(message) <= 600 else message[:600] + " ..."
     return f"{type(cause).__name__}: {message}"
 

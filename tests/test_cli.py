@@ -534,6 +534,11 @@ def test_a_worker_that_died_is_named_with_its_process_and_ray_s_reason():
     assert "a lost node" in line
     plain = _error_line(WorkerGroupError("...", {0: ValueError("bad batch\nmore")}))
     assert plain == "ValueError: bad batch ...", plain
+    # The controller killed: Ray's text blamed a worker's process and the OOM killer (a failure-injection review).
+    controller = RayActorError(error_msg=died.error_msg.replace("RayTrainWorker", "TrainController"))
+    line = _error_line(controller)
+    assert line.startswith("RayActorError: the run's controller (Ray Train's TrainController actor, pid 4242) died, "
+                           "and the workers with it; the checkpoints saved so far stand."), line
 
 
 def test_a_failed_run_s_line_keeps_the_cause_in_sight_and_names_a_bad_row_met_while_training(tmp_path, capsys):
