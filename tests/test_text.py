@@ -490,35 +490,30 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
                          str(tmp_path / "tok"), 128)
     assert "2 of the first 3 rows have no conversation ('messages' empty or null, no 'text' either)" in caplog.text
     assert "outside its {% generation %} block" not in caplog.text  # the default template trains its eos
-    # A template that trains the content only, its eos outside the block (Qwen's and Llama 3's shape, tagged): the
-    # model never learns to end a turn (a numerics review); said on the driver.
     from ray_jax_train.text import DEFAULT_CHAT_TEMPLATE
 
-    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace(
-        "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}",
-        "{% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_token }}")
-    try:
-        tokenizer.save_pretrained(tmp_path / "tok_content_only")
-    finally:
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        build_lm_dataset(hf, str(tmp_path / "tok_content_only"), 128)
+    def warned_with(assistant_turn: str, name: str) -> str:
+        """The driver's warnings for `hf` under the default template with another assistant turn."""
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace(
+            "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}", assistant_turn)
+        try:
+            tokenizer.save_pretrained(tmp_path / name)
+        finally:
+            tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            build_lm_dataset(hf, str(tmp_path / name), 128)
+        return caplog.text
+
+    # A template that trains the content only, its eos outside the block (Qwen's and Llama 3's shape, tagged): the
+    # model never learns to end a turn (a numerics review); said on the driver.
+    text = warned_with("{% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_token }}", "tok_content")
     assert f"trains 3 assistant turns of the first conversations up to their content only: the token after each " \
-           f"({tokenizer.eos_token!r}) lies outside its {{% generation %}} block" in caplog.text, caplog.text
+           f"({tokenizer.eos_token!r}) lies outside its {{% generation %}} block" in text, text
     # ChatML's shape, tagged: the end token and a newline inside the block, the next turn's header after it. The
     # turn trains its end: no warning (its last trained token is the newline, the next one a special header).
-    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE.replace(
-        "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}",
-        "{% generation %}{{ message['content'] + eos_token + '\\n' }}{% endgeneration %}")
-    try:
-        tokenizer.save_pretrained(tmp_path / "tok_chatml")
-    finally:
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    caplog.clear()
-    with caplog.at_level("WARNING"):
-        build_lm_dataset(hf, str(tmp_path / "tok_chatml"), 128)
-    assert "outside its {% generation %} block" not in caplog.text, caplog.text
+    text = warned_with("{% generation %}{{ message['content'] + eos_token + '\\n' }}{% endgeneration %}", "tok_chatml")
+    assert "outside its {% generation %} block" not in text, text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]
