@@ -595,7 +595,10 @@ def _setup_worker(
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices or hand_set or 1)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if config.compilation_cache and config.compilation_cache_dir:
+        from ray_jax_train._cache_repair import drop_unreadable_entries
+
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        drop_unreadable_entries()  # a worker killed while writing an entry left it torn for every restart
         if config.platform == "cpu":
             # Small CPU programs compile fast but are still worth caching for restarts. On accelerators JAX's
             # 1 s floor keeps eager ops' programs out of the (often networked) run storage.

@@ -1,5 +1,6 @@
 """Bad input fails early with a message that names the problem and the fix (driver side, no workers)."""
 import errno
+import json
 import logging
 import os
 
@@ -146,6 +147,39 @@ def test_worker_env_carries_jax_and_xla_settings():
         rjt.JaxConfig(xla_flags=["xla_cpu_enable_fast_math=false"])
     with pytest.raises(ValueError, match="env_vars=.*'PATHS': \\['a'\\].*got a list"):
         rjt.JaxConfig(env_vars={"PATHS": ["a"]})
+
+
+_CACHE_STAGE = """
+import glob, json, os, sys
+import jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from ray_jax_train._cache_repair import drop_unreadable_entries
+assert drop_unreadable_entries() and drop_unreadable_entries()
+jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(4.0)).block_until_ready()
+print(json.dumps({os.path.basename(p): os.path.getsize(p) for p in glob.glob(os.path.join(sys.argv[1], "*-cache"))}))
+"""
+
+
+def test_a_torn_compilation_cache_entry_is_written_whole_again(tmp_path):
+    """JAX writes cache entries in place and never replaces one: a worker killed mid-write left a truncated entry
+    that every restart failed to read and compiled again (a failure-injection review). Real JAX, real cache files,
+    in fresh processes (the cache is per process); the entries are cut short as a kill would leave them."""
+    import subprocess
+    import sys
+
+    def stage() -> dict:
+        done = subprocess.run([sys.executable, "-c", _CACHE_STAGE, str(tmp_path)], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    whole = stage()
+    assert whole and min(whole.values()) > 200, whole
+    for name in whole:
+        os.truncate(tmp_path / name, 100)
+    assert stage() == whole  # read, found torn, removed, compiled and written whole
 
 
 def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
