@@ -628,6 +628,8 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
         stacked = np.stack([np.asarray(item) for item in value])
     except ValueError:
         stacked = None
+    if stacked is not None and stacked.dtype != object and stacked.dtype.kind not in "USO":
+        return stacked  # the usual case: what follows only explains a failure, row by row
     first = value[0] if len(value) else None
     nulls = [i for i, item in enumerate(value) if item is None]
     if nulls:
@@ -650,13 +652,10 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
             f"{', ...' if len(shapes) > 4 else ''}), which cannot become one jax.Array. Pad them to one length in "
             "a map_batches step first (with a mask column if the padding must not count), or drop the column with "
             "columns=[...].")
-    if stacked.dtype == object or stacked.dtype.kind in "USO":
-        raise TypeError(
-            f"Column {key!r} holds {value[0].__class__.__name__} values of varying shape or a non-numeric type, "
-            "which cannot become a jax.Array. Tokenise/pad it in a map_batches step first, or drop it with "
-            "columns=[...]."
-        )
-    return stacked
+    raise TypeError(
+        f"Column {key!r} holds {value[0].__class__.__name__} values of varying shape or a non-numeric type, "
+        "which cannot become a jax.Array. Tokenise/pad it in a map_batches step first, or drop it with "
+        "columns=[...].")
 
 
 def _pad(batch: Dict[str, np.ndarray], rows: int, mask_key: str) -> Dict[str, np.ndarray]:
