@@ -60,7 +60,10 @@ class JaxConfig(BackendConfig):
         dcn_mesh: for multi-slice TPU (or hosts as the slow network), how many slices each `mesh` axis spans,
             e.g. {"dp": 2}; `mesh` sizes stay the totals. `get_mesh()` then builds a hybrid ICI x DCN mesh.
         env_vars: extra `JAX_*` / `XLA_*` environment for the workers, set before JAX starts there.
-        xla_flags: appended to the workers' `XLA_FLAGS`.
+        xla_flags: appended to the workers' `XLA_FLAGS`. On TPU the TPU compiler's and runtime's own flags
+            (`--xla_tpu_*`, `--xla_jf_*`, `--xla_sc_*`, `--megascale_*`) go to `LIBTPU_INIT_ARGS` instead: libtpu
+            reads them there, and JAX exits on flags in `XLA_FLAGS` it does not know. Other libtpu flags:
+            `env_vars={"LIBTPU_INIT_ARGS": "..."}`.
         gpu_memory_preallocate / gpu_memory_fraction: JAX's GPU allocator settings, e.g. to share a GPU
             between Tune trials.
         compilation_cache: keep JAX's persistent compilation cache (on by default), so a restart after a failure
@@ -226,6 +229,12 @@ class JaxConfig(BackendConfig):
                                 value, source, platform, env["JAX_PLATFORMS"])
                 break
         flags = list(self.xla_flags)
+        if platform == "tpu":
+            libtpu = [flag for flag in flags if flag.startswith(_LIBTPU_FLAG_PREFIXES)]
+            flags = [flag for flag in flags if flag not in libtpu]
+            if libtpu:  # after what is there: JAX adds a launch-barrier flag there when it is imported on a TPU VM
+                env["LIBTPU_INIT_ARGS"] = " ".join(
+                    [env.get("LIBTPU_INIT_ARGS", os.environ.get("LIBTPU_INIT_ARGS", ""))] + libtpu).strip()
         if flags:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))] + flags).strip()
         if self.gpu_memory_preallocate is not None:
@@ -235,6 +244,10 @@ class JaxConfig(BackendConfig):
         if self.compilation_cache and self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
         return env
+
+
+# Flags of libtpu (the TPU compiler and runtime), which reads LIBTPU_INIT_ARGS; XLA_FLAGS is parsed by jaxlib.
+_LIBTPU_FLAG_PREFIXES = ("--xla_tpu_", "--xla_jf_", "--xla_sc_", "--megascale_")
 
 
 def _env_value(key: str, value: Any) -> str:
@@ -373,6 +386,12 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
             "on TPU hosts. Use ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)"
             + (", or JAX_PLATFORMS=cpu." if asked_by.startswith("JAX_PLATFORMS") else ".")
         )
+    if config.platform == "tpu":
+        from ray_jax_train.tpu import host_share_problem
+
+        problem = host_share_problem(scaling_config, config.distributed)
+        if problem:
+            raise ValueError(f"ScalingConfig: {problem}")
     for where, value in _user_jax_platforms(config, run_config):
         if not _leads_with(value, config.platform):
             name = _JAX_PLATFORM_NAME[config.platform]
@@ -418,9 +437,10 @@ def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
 
 
 def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> Optional[int]:
-    """The job's device count where the driver can know it: CPU devices or GPUs per worker, times the workers
-    (one worker's with distributed=False). None for TPU (chips per host vary), multi-slice meshes, elastic worker
-    counts, local mode (num_workers=0) and a CPU count only the driver's own environment sets."""
+    """The job's device count where the driver can know it: CPU devices, GPUs or TPU devices per worker, times the
+    workers (one worker's with distributed=False). None for multi-slice meshes, elastic worker counts, local mode
+    (num_workers=0), a TPU ScalingConfig without accelerator_type, and a CPU count only the driver's own
+    environment sets."""
     workers = scaling_config.num_workers
     if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None:
         return None
@@ -431,6 +451,11 @@ def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> 
     if config.platform == "gpu":
         gpus = _gpus_per_worker(scaling_config)
         return processes * max(1, int(gpus)) if gpus < 1 or gpus.is_integer() else None  # a share is one device
+    if config.platform == "tpu":
+        from ray_jax_train.tpu import devices_per_worker
+
+        per_worker = devices_per_worker(scaling_config)
+        return None if per_worker is None else processes * per_worker
     return None
 
 
@@ -644,6 +669,14 @@ def _setup_worker(
             "device_count": jax.device_count(),
         }
     except Exception as exc:
+        if config.platform == "tpu" and not _backend_not_installed(exc):
+            # libtpu starts here, not in initialize: a TPU the previous attempt's process still holds, or a slice
+            # handshake after a slice was replaced, passes on another try (as a plain error it ended the run).
+            held = (" Another process holds the TPU (the previous attempt's worker, still exiting, or a process "
+                    "outside Ray on that host)." if "in use" in str(exc).lower() else "")
+            raise DistributedStartError(
+                f"JAX in worker {process_id} could not start its TPU backend ({type(exc).__name__}: {exc}).{held} "
+                "The worker group is started again within FailureConfig(max_failures).") from exc
         if config.platform != "cpu":
             raise RuntimeError(
                 f"JAX in worker {process_id} could not start its {config.platform.upper()} backend "
@@ -651,6 +684,13 @@ def _setup_worker(
                 "matching their CUDA driver (pip install 'jax[cuda12]' or 'jax[cuda13]'; 'jax[tpu]' on TPU)? "
                 "A plain `pip install jax` runs on CPU only.") from exc
         raise
+
+
+def _backend_not_installed(exc: BaseException) -> bool:
+    """Whether JAX found no plugin for the platform (a retry finds none either), not a backend that failed to start."""
+    text = str(exc).lower()
+    return isinstance(exc, ImportError) or any(sign in text for sign in (
+        "unknown backend", "no platforms that are instances of", "failed to open libtpu", "cannot open shared object"))
 
 
 def _answer_a_second_initialize(num_processes: int, process_id: int, coordinator: str) -> None:

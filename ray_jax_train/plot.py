@@ -64,12 +64,35 @@ def _step_records(text: str) -> Iterator[Dict]:
 
 
 def resumed_steps(text: str) -> List[int]:
-    """The step each later attempt of a run resumed from: every attempt's first record carries its start-up facts
-    (`startup_s`, and `start_step`, its checkpoint's step), and an attempt after the first resumed from a checkpoint
-    (the group failed and Ray restarted it, or the same run was started again). Records written before
-    `start_step` existed give the first step logged after the resume."""
-    return [int(record.get("start_step", record["step"])) for record in _step_records(text)
-            if "startup_s" in record][1:]
+    """The step each later attempt of a run resumed from (an attempt after the first resumed from a checkpoint: the
+    group failed and Ray restarted it, or the same run was started again). The built-in loop marks each attempt's
+    start with an `{"attempt": {"start_step": ...}}` line once it has restored, so attempts that died before their
+    first log step count too; files without those lines have each attempt's first step record carry its start-up
+    facts (`startup_s`, and `start_step` once it existed, else the first step logged after the resume)."""
+    starts: List[int] = []
+    marked = False  # an attempt line was read and its first step record is still to come
+    for line in text.splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed run
+        if not isinstance(record, dict):
+            continue
+        attempt = record.get("attempt")
+        if isinstance(attempt, dict) and isinstance(attempt.get("start_step"), (int, float)):
+            starts.append(int(attempt["start_step"]))
+            marked = True
+        elif isinstance(record.get("step"), (int, float)) and "startup_s" in record:
+            if not marked:  # written by a loop that did not mark its attempts
+                starts.append(int(record.get("start_step", record["step"])))
+            marked = False
+    return starts[1:]
+
+
+def attempt_line(start_step: int) -> str:
+    """The line the built-in loop appends to metrics.jsonl as an attempt starts (read by `resumed_steps`); it has no
+    "step", so curves and `read_metrics` skip it."""
+    return json.dumps({"attempt": {"start_step": int(start_step), "time": round(time.time(), 3)}})
 
 
 def parse_records(text: str) -> List[Dict]:

@@ -18,6 +18,25 @@ from typing import Iterator, Optional, Tuple
 MARKER_NAME = ".ray_jax_train_storage_check"
 
 
+class StoragePackageMissing(ImportError):
+    """A package that orbax needs for the run's storage is not installed (a retry finds it missing too)."""
+
+    retry_repeats_it = True
+
+
+def require_fsspec_client(scheme: str) -> None:
+    """Orbax writes its checkpoints' metadata files through fsspec, which reaches gs:// and s3:// through
+    packages of their own; without one the first save failed in orbax, a whole save interval into the run."""
+    import importlib.util
+
+    package, extra = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}[scheme]
+    if importlib.util.find_spec(package) is None:
+        raise StoragePackageMissing(
+            f"Checkpoints in {scheme}:// storage need the {package} package: orbax writes its metadata files through "
+            f"fsspec's {package}. Install it where the workers run (every node): pip install "
+            f"'ray-jax-train[{extra}]' (or pip install {package}).")
+
+
 def is_uri(path: str) -> bool:
     return "://" in str(path)
 

@@ -919,6 +919,16 @@ def test_the_summary_counts_restarts_from_the_steps_logged_again(tmp_path, capsy
                                                                                        else {})}) + "\n" for s in (2, 4)))
     _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
     assert "restarts" not in capsys.readouterr().out
+    # The loop marks each attempt as it starts: two that died before their first log step count too (an OOM in
+    # the first compile restarted the group twice, and the summary said no restart).
+    from ray_jax_train.plot import attempt_line
+
+    lines = [attempt_line(0), json.dumps({"step": 2, "loss": 1.0, "startup_s": 1.0, "start_step": 0}),
+             attempt_line(2), attempt_line(2), json.dumps({"step": 4, "loss": 0.9, "startup_s": 1.0, "start_step": 2})]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    _summary(args, types.SimpleNamespace(checkpoint=None), {"run_dir": str(tmp_path), "name": "r"}, time.time())
+    out = capsys.readouterr().out
+    assert "restarts:    2 (from step 2, step 2)" in out and "1.000 (step 2) -> 0.900 (step 4)" in out, out
 
 
 def test_model_scaling_index_multiplies_the_widths_and_can_be_searched(tmp_path, capsys):

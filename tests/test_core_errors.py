@@ -3,6 +3,8 @@ import errno
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -387,6 +389,59 @@ def test_batch_size_must_divide_over_batch_shards():
     tp_only = rjt.make_mesh({"model": 4})
     with pytest.raises(ValueError, match="none of the batch axes"):
         check_batch_size(8, tp_only)
+
+
+def test_tpu_jobs_are_checked_on_the_driver_from_the_scaling_config(monkeypatch):
+    """No TPU exists here: these are Ray's own TPU ScalingConfigs (pure configuration), checked on the driver before
+    a slice is reserved. A mesh that does not fit the slice, or workers that split a host's chips, failed only in
+    every worker once the slice was up."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    v6e = ScalingConfig(use_tpu=True, topology="4x4", accelerator_type="TPU-V6E", num_workers=4)  # 4 hosts x 4 chips
+    assert resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "tp": 4}), v6e).platform == "tpu"
+    with pytest.raises(ValueError, match=r"mesh=.*does not fit the 16 devices"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": 3}), v6e)
+    # Two devices per chip on v2, v3 and TPU7x (no megacore); one on v4 (megacore).
+    v7x = ScalingConfig(use_tpu=True, topology="2x2x2", accelerator_type="TPU-V7X", num_workers=2)
+    with pytest.raises(ValueError, match=r"does not fit the 16 devices"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": 8, "tp": 1}), v7x)
+    resolve_jax_config(rjt.JaxConfig(mesh={"dp": 8, "tp": 2}), v7x)
+    v4 = ScalingConfig(use_tpu=True, topology="2x2x2", accelerator_type="TPU-V4", num_workers=2)
+    resolve_jax_config(rjt.JaxConfig(mesh={"fsdp": 8}), v4)
+    # Half a v6e-8 host each: two libtpu slices of their own, never one job.
+    split = ScalingConfig(use_tpu=True, topology="2x4", accelerator_type="TPU-V6E", num_workers=2,
+                          resources_per_worker={"TPU": 4})
+    with pytest.raises(ValueError, match=r"4 of a TPU host's 8 chips .* Leave 'TPU' out of resources_per_worker .* "
+                                         r"num_workers=1 per slice"):
+        resolve_jax_config(None, split)
+    resolve_jax_config(rjt.JaxConfig(distributed=False), split)  # independent processes may share a host
+    one = ScalingConfig(use_tpu=True, resources_per_worker={"TPU": 4})
+    assert resolve_jax_config(None, one).platform == "tpu"  # one process on part of a host: Ray sets its bounds
+
+
+def test_tpu_compiler_flags_go_to_libtpu_and_a_tpu_that_fails_to_start_is_retried(monkeypatch):
+    """jaxlib exits on XLA_FLAGS it does not know, and libtpu reads its own flags from LIBTPU_INIT_ARGS. A TPU backend
+    that fails to start (a TPU the last attempt still holds) is a start-up error Ray retries; a missing libtpu is not.
+    The not-installed case is real (this machine has no libtpu): the backend starts in a fresh process."""
+    from ray_jax_train.backend import _backend_not_installed
+
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_use_enhanced_launch_barrier=true")
+    env = rjt.JaxConfig(platform="tpu", xla_flags=["--xla_tpu_enable_async_all_gather=true", "--xla_dump_to=/tmp/d",
+                                                   "--megascale_grpc_premap_memory_bytes=1"]).worker_env({})
+    assert env["LIBTPU_INIT_ARGS"] == ("--xla_tpu_use_enhanced_launch_barrier=true "
+                                       "--xla_tpu_enable_async_all_gather=true --megascale_grpc_premap_memory_bytes=1")
+    assert env["XLA_FLAGS"].split()[-1] == "--xla_dump_to=/tmp/d" and "tpu" not in env["XLA_FLAGS"]
+    cpu = rjt.JaxConfig(platform="cpu", xla_flags=["--xla_tpu_x=1"]).worker_env({})
+    assert "LIBTPU_INIT_ARGS" not in cpu and cpu["XLA_FLAGS"].endswith("--xla_tpu_x=1")  # only TPU moves them
+
+    code = ("import socket, sys\nfrom ray_jax_train.backend import JaxConfig, _setup_worker\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+            "try:\n    _setup_worker(f'127.0.0.1:{port}', 1, 0, JaxConfig(platform='tpu', compilation_cache=False), {})\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env).stdout
+    assert out.startswith("RuntimeError JAX in worker 0 could not start its TPU backend") and "jax[tpu]" in out, out
+    assert not _backend_not_installed(RuntimeError("TPU initialization failed: The TPU is already in use by process "
+                                                   "with pid 1234."))
 
 
 def test_tpu_multislice_env_from_rays_utility():

@@ -17,6 +17,7 @@ from ray_jax_train.config import LlamaConfig
 from ray_jax_train.lm import TrainingArguments, make_optimizer, make_train_step, read_metrics, shard_state
 from ray_jax_train.lm.loop import train_loop_per_worker
 from ray_jax_train.lm.state import split_model
+from ray_jax_train.plot import resumed_steps
 from ray_jax_train.lm.step import new_state
 from ray_jax_train.models import create_model, from_pretrained
 from ray_jax_train.text import pack_documents
@@ -340,7 +341,11 @@ def test_two_workers_match_one_process_through_a_kill(ray_cluster, tmp_path, mon
     # Rank 0 logged steps 1-4 before the kill, and step 5 too where its metrics could still be read as the error
     # from the killed peer went by (its record waits for step 6's dispatch; the peer may die mid step 5); then the
     # resumed run logged from its checkpoint on. read_metrics keeps the last record of each step, the one that counts.
-    records = [json.loads(line) for line in open(os.path.join(result.path, "metrics.jsonl")) if line.strip()]
+    lines = [json.loads(line) for line in open(os.path.join(result.path, "metrics.jsonl")) if line.strip()]
+    # Each attempt marks its start, after its restore: the summary counts restarts that logged no step too.
+    assert [line["attempt"]["start_step"] for line in lines if "attempt" in line] == [0, resumed_at]
+    assert resumed_steps(open(os.path.join(result.path, "metrics.jsonl")).read()) == [resumed_at]
+    records = [line for line in lines if "step" in line]
     before_kill = 5 if records[4]["step"] == 5 else 4
     assert [r["step"] for r in records] == list(range(1, before_kill + 1)) + list(range(resumed_at + 1, steps + 1))
     latest = {r["step"]: r for r in records}
@@ -798,6 +803,8 @@ def test_data_with_no_token_to_learn_stops_the_run_and_its_retries(ray_cluster, 
         trainer.fit()
     assert "NoLossTokensError" in str(failed.value)
     records = [json.loads(line) for line in (tmp_path / "nothing" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["attempt"]["start_step"] for r in records if "attempt" in r] == [0]
+    records = [r for r in records if "step" in r]
     # One attempt's records: a retry (from scratch: no checkpoint) would have logged steps 2 and 4 again.
     assert [r["step"] for r in records] == [2, 4] and {r["loss_tokens"] for r in records} == {0.0}
     # Where the driver holds the rows anyway (materialized, as the CLI and Tune trials do), it says so at once.

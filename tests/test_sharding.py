@@ -527,6 +527,22 @@ def test_a_cpu_devices_peak_is_its_share_of_the_process(monkeypatch):
     assert metrics.peak_flops_per_device() == 25e9
 
 
+def test_tpu_peaks_are_per_jax_device():
+    """On v2, v3 and TPU7x each of a chip's two TensorCores is a JAX device, so its peak is half the chip's; TPU7x
+    matched no entry and MFU was taken against a measured matmul. No TPU here: the devices are stand-ins that carry
+    the device_kind strings JAX gives on those machines."""
+    import types
+
+    from ray_jax_train.lm import metrics
+
+    def peak(kind):
+        return metrics.peak_flops_per_device(types.SimpleNamespace(device_kind=kind, platform="tpu"))
+
+    assert peak("TPU7x") == 2307e12 / 2 and peak("TPU v3") == 123e12 / 2 and peak("TPU v2") == 23e12
+    assert peak("TPU v4") == 275e12 and peak("TPU v5") == 459e12 and peak("TPU v5 lite") == 197e12
+    assert peak("TPU v6 lite") == 918e12
+
+
 def test_bytes_per_device_counts_device_arrays_and_skips_host_values():
     """A restore gives numpy for process-local leaves; bytes_per_device(restored.state) raised AttributeError."""
     import jax.numpy as jnp

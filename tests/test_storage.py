@@ -132,3 +132,27 @@ def test_a_run_inside_a_jobs_working_dir_copy_is_recognised():
     assert storage.in_ray_package_cache(cache)
     assert not storage.in_ray_package_cache("/mnt/shared/runs/tiny-llama")
     assert not storage.in_ray_package_cache("s3://bucket/runtime_resources/working_dir_files/runs")
+
+
+def test_checkpoints_in_a_bucket_without_its_fsspec_package_are_refused_naming_the_extra(monkeypatch):
+    """Orbax writes its metadata through fsspec: with no gcsfs the first save failed inside orbax, a save interval
+    into the run, and Ray retried it. The machine without the package is stood in for by hiding it from the import
+    system; the filesystem is pyarrow's real GCS one (nothing is asked of the network)."""
+    import importlib.util
+
+    import pyarrow.fs
+
+    from ray_jax_train.checkpoint.core import _uri_for
+    from ray_jax_train.retries import repeats_on_retry
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name in ("gcsfs", "s3fs") else real(name, *a, **k))
+    with pytest.raises(storage.StoragePackageMissing, match=r"gs:// storage need the gcsfs package.*"
+                                                            r"pip install 'ray-jax-train\[gcs\]'") as missing:
+        _uri_for(pyarrow.fs.GcsFileSystem(anonymous=True), "bucket/runs/r")
+    assert repeats_on_retry(missing.value)  # FailureConfig's retries would find it missing again
+    with pytest.raises(storage.StoragePackageMissing, match=r"ray-jax-train\[s3\]"):
+        storage.require_fsspec_client("s3")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    storage.require_fsspec_client("s3")  # installed by the test extras

@@ -438,7 +438,10 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
 
     # The resume, with the long trial's actor SIGKILLed once it trains again (its node lost, say): Tune runs the
     # trial again and its Train run resumes from its latest checkpoint. Before, the trial failed for good.
-    lines_before = len((long / "metrics.jsonl").read_text().splitlines())
+    def step_lines():  # not the line each attempt starts with: the kill waits for training
+        return sum('"step"' in line for line in (long / "metrics.jsonl").read_text().splitlines())
+
+    lines_before = step_lines()
     resumed_log = tmp_path / "resumed.log"
     with open(resumed_log, "w") as out:
         search = subprocess.Popen(command + ["--resume"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -447,7 +450,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
             while not killed:
                 assert search.poll() is None, resumed_log.read_text()[-5000:]
                 assert time.time() - started < 500, resumed_log.read_text()[-5000:]
-                if len((long / "metrics.jsonl").read_text().splitlines()) > lines_before:
+                if step_lines() > lines_before:
                     for pid in _trial_actors_of(search.pid):
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
@@ -467,12 +470,14 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
     assert len(list(experiment.glob("trial_*"))) == 3 and len(list(tmp_path.glob("resumable-*"))) == 3
     # The interrupted trial resumed from its checkpoint: step 2 (before the first checkpoint) was trained once.
-    records = [json.loads(line) for line in (long / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (long / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "step" in r]
     steps = [r["step"] for r in records]
     assert steps.count(2) == 1 and steps[-1] == 40 and sorted(set(steps)) == list(range(2, 41, 2)), steps
     # Three attempts of the long trial's run, each from the checkpoint the one before saved last.
     starts = [r["start_step"] for r in records if "start_step" in r]
     assert len(starts) == 3 and starts[0] == 0 and 0 < starts[1] <= starts[2] and starts[2] % 4 == 0, starts
+    assert [line["attempt"]["start_step"] for line in lines if "attempt" in line] == starts
     best = json.loads((experiment / "best.json").read_text())
     assert best["config"]["training"]["total_steps"] == 40 and os.path.isdir(best["checkpoint"])
 

@@ -10,10 +10,11 @@ in this process. Credentials are not passed on: pyarrow, s3fs and tensorstore ea
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import threading
 from typing import Any, Dict, Optional, Tuple
+
+from ray_jax_train.storage import require_fsspec_client
 
 _lock = threading.Lock()
 _endpoint: Optional[str] = None  # this process's S3 endpoint ("" for AWS's own), once one was used
@@ -49,10 +50,7 @@ def use(filesystem, fs_path: str) -> None:
                 f"already reads or writes checkpoints at {_endpoint or 'the endpoint of AWS'}; orbax can use only "
                 "one S3 endpoint per process. Keep the run's storage_path and the checkpoints it restores on one "
                 "endpoint (copy the checkpoint over first).")
-        if importlib.util.find_spec("s3fs") is None:
-            raise ImportError(
-                f"Checkpoints in s3://{bucket} need the s3fs package: orbax writes its metadata files through "
-                "fsspec's s3fs. Install it on every node: pip install 'ray-jax-train[s3]' (or pip install s3fs).")
+        require_fsspec_client("s3")
         _install_spec_hook()
         if endpoint:
             import fsspec

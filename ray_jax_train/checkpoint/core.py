@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ray_jax_train.checkpoint import _s3, _sync, orbax_guard, signals
+from ray_jax_train.storage import require_fsspec_client
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ def _uri_for(filesystem, fs_path: str) -> str:
     if _s3.is_s3(filesystem):
         _s3.use(filesystem, fs_path)  # the URI drops the endpoint: orbax in this process must know it beforehand
     scheme = {"gcs": "gs", "s3": "s3"}.get(getattr(filesystem, "type_name", ""))
+    if scheme == "gs":
+        require_fsspec_client("gs")
     if scheme:
         return f"{scheme}://{fs_path.lstrip('/')}"
     raise ValueError(

@@ -185,6 +185,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         # config that the run's earlier checkpoints export with.
         outputs.save_model_files(model_config, config.get("tokenizer"), config.get("generation_config"))
     metrics_file = outputs.metrics_file() if rank0 else None
+    if metrics_file is not None:  # the summary's restart count sees an attempt that dies before its first log step
+        from ray_jax_train.plot import attempt_line
+
+        metrics_file.append(attempt_line(step))
     progress = Progress(total_steps, initial=step, enabled=rank0 and not args.quiet,
                         label=config.get("progress_label"))
     profiler = StepProfiler(args.profile_start_step, args.profile_num_steps, f"{outputs.run_path}/profile",

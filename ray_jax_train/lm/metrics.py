@@ -11,8 +11,9 @@ import sys
 import time
 from typing import Callable, Dict, Optional, Union
 
-# Dense bf16 peak FLOP/s per device (one chip / one GPU), matched by substring of `device.device_kind`,
-# most specific first.
+# Dense bf16 peak FLOP/s per JAX device, matched by substring of `device.device_kind`, most specific first. A
+# device is a GPU, or a TPU chip where its TensorCores act as one (v4 and v5p megacore; v5e and v6e have one): v2,
+# v3 and TPU7x show each of a chip's two TensorCores as a device of its own, so theirs is half the chip's figure.
 PEAK_FLOPS = (
     ("h200", 989e12),
     ("h100 pcie", 756e12),
@@ -26,14 +27,15 @@ PEAK_FLOPS = (
     ("l4", 121e12),
     ("v100", 125e12),
     ("rtx 4090", 165e12),
+    ("tpu7x", 2307e12 / 2),
     ("tpu v6", 918e12),
     ("tpu v5p", 459e12),
     ("tpu v5 lite", 197e12),
     ("tpu v5e", 197e12),
     ("tpu v5", 459e12),
     ("tpu v4", 275e12),
-    ("tpu v3", 123e12),
-    ("tpu v2", 46e12),
+    ("tpu v3", 123e12 / 2),
+    ("tpu v2", 46e12 / 2),
 )
 
 _measured: Dict[str, float] = {}
