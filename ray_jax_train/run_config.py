@@ -8,7 +8,7 @@ that name the dotted key path and, for typos, the closest valid key.
     data:     {source: stdlib, max_docs: 200}                              # or .txt/.jsonl/.parquet paths or URIs
     tokenizer: {path: null, vocab_size: 512}                               # null: train one at run time
     training: {total_steps: 20, batch_size: 8, learning_rate: 3e-3, ...}  # TrainingArguments fields
-    scaling:  {num_workers: 2, cpu_devices_per_worker: 1, use_gpu: false, mesh: {dp: -1}}
+    scaling:  {num_workers: 2, cpu_devices_per_worker: 1, use_gpu: false, mesh: {dp: -1}}   # or use_tpu, topology
     run:      {name: tiny, storage_path: ./runs, max_failures: 0, checkpoints_to_keep: 2}
     tune:     {param_space: {training.learning_rate: {loguniform: [1e-4, 1e-2]}}, num_samples: 4, ...}
 """
@@ -67,6 +67,9 @@ MOVED_TRAINING_KEYS = {
     "gpus_per_worker": "scaling.gpus_per_worker",
     "gpu_memory_fraction": "scaling.gpu_memory_fraction",
     "gpu_memory_preallocate": "scaling.gpu_memory_preallocate",
+    "use_tpu": "scaling.use_tpu",
+    "topology": "scaling.topology",
+    "accelerator_type": "scaling.accelerator_type",
 }
 # Sections a Tune param space may search over: they change what a trial trains, not where or on what.
 TUNABLE_SECTIONS = ("training", "model")
@@ -144,11 +147,15 @@ class TokenizerSection(_Section):
 
 
 class ScalingSection(_Section):
-    """Workers and devices. `gpus_per_worker` < 1 shares GPUs (Tune trials); see docs/cluster.md."""
+    """Workers and devices. `gpus_per_worker` < 1 shares GPUs (Tune trials); `use_tpu` with Ray's `topology` and
+    `accelerator_type` gives each worker one TPU host of the slice; see docs/cluster.md."""
 
     num_workers: int = Field(1, ge=1)
     cpu_devices_per_worker: int = Field(1, ge=1)
     use_gpu: bool = False
+    use_tpu: bool = False
+    topology: Optional[str] = None
+    accelerator_type: Optional[str] = None
     cpus_per_worker: Optional[float] = Field(None, ge=0)
     gpus_per_worker: Optional[float] = Field(None, gt=0)
     resources_per_worker: Optional[Dict[str, float]] = None
@@ -163,8 +170,24 @@ class ScalingSection(_Section):
         resources = {"CPU": 1.0 if self.cpus_per_worker is None else float(self.cpus_per_worker)}
         if self.use_gpu:
             resources["GPU"] = float(self.gpus_per_worker or 1.0)
+        if self.use_tpu:  # Ray's count for a worker that names none: one host's chips of the topology, else 1
+            resources["TPU"] = float(self._ray_scaling_config(None).num_tpus_per_worker)
         resources.update({k: float(v) for k, v in (self.resources_per_worker or {}).items()})
         return {k: v for k, v in resources.items() if v > 0}
+
+    def scaling_config(self):
+        """Ray's ScalingConfig for these workers. Ray checks TPU settings as it is built (a topology it does not
+        know, num_workers not a multiple of the slice's hosts): ValueError."""
+        custom = self.cpus_per_worker is not None or self.gpus_per_worker is not None or self.resources_per_worker
+        return self._ray_scaling_config(self.worker_resources() if custom else None)
+
+    def _ray_scaling_config(self, resources_per_worker: Optional[Dict[str, float]]):
+        from ray.train import ScalingConfig
+
+        # resources_per_worker None: Ray's defaults, and with topology and accelerator_type a TPU host per worker.
+        return ScalingConfig(num_workers=self.num_workers, use_gpu=self.use_gpu, use_tpu=self.use_tpu,
+                             topology=self.topology, accelerator_type=self.accelerator_type,
+                             resources_per_worker=resources_per_worker, placement_strategy=self.placement_strategy)
 
 
 class RunSection(_Section):
@@ -250,12 +273,13 @@ class ExperimentConfig(_Section):
 
     def check(self) -> "ExperimentConfig":
         """Checks across sections and against the filesystem (ConfigError); `parse_config` runs them."""
+        scaling_config = self._check_scaling()
         # TrainingArguments' and LlamaConfig's own validation, with errors re-rooted under training./model.
         args = self.training_arguments()
         model = self.llama_config()
         # Also here, not only when `fit` builds the trainer: `config validate` and a Tune search's base config get
         # them too (a search otherwise failed every trial the same way, after Ray was up).
-        devices = args.num_devices(self.scaling.gpus_per_worker)
+        devices = args.num_devices(self.scaling.gpus_per_worker, scaling_config)
         if devices is not None:
             try:
                 args.check_devices(devices)
@@ -275,7 +299,7 @@ class ExperimentConfig(_Section):
                     if getattr(s, k) is not None]
         if not s.use_gpu and gpu_only:
             raise ConfigError(f"scaling.{' / '.join(gpu_only)} set but scaling.use_gpu is false, so the run would "
-                              "use CPUs; set scaling.use_gpu: true, or remove them")
+                              f"use {'TPUs' if s.use_tpu else 'CPUs'}; set scaling.use_gpu: true, or remove them")
         try:
             model.check_cudnn_attention(use_gpu=s.use_gpu, seq_len=args.max_sequence_length)
         except ValueError as exc:
@@ -350,6 +374,37 @@ class ExperimentConfig(_Section):
             self._check_trial_values()
             self._check_max_t(args)
         return self
+
+    def _check_scaling(self):
+        """The TPU settings, and Ray's ScalingConfig built as `fit` builds it: Ray's own refusals (a TPU topology it
+        does not know, num_workers not a multiple of the slice's hosts) and workers that split a TPU host came only
+        once Ray was up, or once the slice was reserved. Returns the ScalingConfig."""
+        s = self.scaling
+        if s.use_tpu and s.use_gpu:
+            raise ConfigError("scaling.use_tpu and scaling.use_gpu are both true: a worker runs JAX on one platform, "
+                              "and Ray refuses both; set one of them to false")
+        gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
+                    if getattr(s, k) is not None]
+        if s.use_tpu and gpu_only:
+            raise ConfigError(f"scaling.{' / '.join(gpu_only)} set with scaling.use_tpu: true, but they are GPU "
+                              "settings and the run uses TPUs; remove them")
+        if s.topology is not None and not s.use_tpu:  # Ray ignores it then: the run would use CPUs or GPUs
+            raise ConfigError(f"scaling.topology={s.topology!r} set but scaling.use_tpu is false; set "
+                              "scaling.use_tpu: true for TPU workers, or remove scaling.topology")
+        try:
+            scaling_config = s.scaling_config()
+        except ValueError as exc:
+            tpu = (" TPU workers need scaling.topology and scaling.accelerator_type (e.g. '4x4' and 'TPU-V6E': "
+                   "one worker per host of the slice) and scaling.num_workers a multiple of the slice's hosts"
+                   if s.use_tpu else "")
+            raise ConfigError(f"scaling: Ray's ScalingConfig refuses it: {str(exc).rstrip('.')}.{tpu}") from None
+        if s.use_tpu:
+            from ray_jax_train.tpu import host_share_problem
+
+            problem = host_share_problem(scaling_config, distributed=True)
+            if problem:
+                raise ConfigError(f"scaling.resources_per_worker: {problem}")
+        return scaling_config
 
     def _check_max_t(self, args: TrainingArguments) -> None:
         """ASHA stops every trial at `max_t` steps, however long its `total_steps`: such a trial ends mid-schedule,
@@ -446,7 +501,8 @@ class ExperimentConfig(_Section):
     def training_arguments(self, **overrides) -> TrainingArguments:
         s, r = self.scaling, self.run
         values = dict(self.training, num_workers=s.num_workers, num_cpu_devices=s.cpu_devices_per_worker,
-                      use_gpu=s.use_gpu, mesh=s.mesh, output_dir=absolute(r.storage_path), run_name=r.name,
+                      use_gpu=s.use_gpu, use_tpu=s.use_tpu, topology=s.topology, accelerator_type=s.accelerator_type,
+                      mesh=s.mesh, output_dir=absolute(r.storage_path), run_name=r.name,
                       max_failures=r.max_failures, save_total_limit=r.checkpoints_to_keep)
         values.update(overrides)
         try:
@@ -1340,7 +1396,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     here in Ray Data and is materialised, so training workers never wait on Data tasks for CPUs. `quiet`
     keeps worker logs to warnings and the progress bar (the CLI's default; --verbose turns it off).
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray_jax_train.lm import state as state_lib
     from ray_jax_train.lm.data import in_order_split, prepare_lm_datasets
     from ray_jax_train.lm.loop import loop_config, train_loop_per_worker
@@ -1359,7 +1415,8 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         args.mesh = {"dp": -1}
     # The mesh/device and sequence-length checks ran in parse_config (ExperimentConfig.check); the model is only
     # now complete (its vocabulary is the tokenizer's), so it meets the mesh and its starting weights here.
-    devices = args.num_devices(config.scaling.gpus_per_worker)
+    scaling_config = config.scaling.scaling_config()  # checked in parse_config (ExperimentConfig.check)
+    devices = args.num_devices(config.scaling.gpus_per_worker, scaling_config)
     if devices is not None:
         try:
             args.check_model_on_mesh(model_config, devices)
@@ -1374,9 +1431,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         train_source, eval_source, tokenizer, args, materialize=True, names=("data.source", "data.eval_source"),
         max_position_embeddings=model_config.max_position_embeddings, vocab_size=model_config.vocab_size)
 
-    s = config.scaling
-    custom = s.cpus_per_worker is not None or s.gpus_per_worker is not None or s.resources_per_worker
-    jax_config = with_trace_flags(jax_config_for(s), args)
+    jax_config = with_trace_flags(jax_config_for(config.scaling), args)
     callbacks = list(callbacks)
     if config.run.tensorboard:
         from ray_jax_train.plot import TensorBoardCallback
@@ -1386,9 +1441,7 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
         quiet_train_loop if quiet else train_loop_per_worker,
         train_loop_config=loop_config(args, model_config, total_steps, init, columns, "eval" in datasets,
                                       tokenizer=tokenizer, progress_label=progress_label),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
-                                     resources_per_worker=s.worker_resources() if custom else None,
-                                     placement_strategy=s.placement_strategy),
+        scaling_config=scaling_config,
         jax_config=jax_config,
         run_config=RunConfig(name=name, storage_path=storage,
                              checkpoint_config=CheckpointConfig(num_to_keep=config.run.checkpoints_to_keep),
@@ -1419,6 +1472,10 @@ def check_cluster_fits(scaling: ScalingSection, trial_cpus: Optional[float] = No
     if not scaling.check_resources:
         return
     need = scaling.worker_resources()
+    if scaling.accelerator_type:  # Ray adds it to each worker's request: only nodes of that type (which have 1) fit
+        from ray.air.config import RESOURCE_CONSTRAINT_PREFIX
+
+        need.setdefault(f"{RESOURCE_CONSTRAINT_PREFIX}{scaling.accelerator_type}", 0.001)
     nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
 
     def units(amount: float) -> int:  # Ray counts resources in exact 1/10000ths: 3 // 0.1 is 29 in floats

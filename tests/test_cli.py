@@ -59,6 +59,58 @@ def test_gpu_scaling_is_checked_on_the_driver(capsys):
     assert run(["config", "validate", gpu, "--set", "model.attention_impl=cudnn"], capsys)[0] == 0
 
 
+def test_tpu_scaling_is_checked_on_the_driver(capsys, monkeypatch):
+    """No TPU exists here, and no Ray starts: `config validate` and the ScalingConfig that `fit` passes to Ray, built
+    from the scaling section. Ray's own ScalingConfig validation and its per-worker TPU count from the topology are
+    real; the cluster is a stand-in for ray.nodes(). A v6e 4x4 slice is 4 hosts of 4 chips, 16 JAX devices (the
+    config file had no TPU keys: a mesh of the wrong size failed once the slice was reserved)."""
+    import ray
+
+    from ray_jax_train.run_config import ConfigError, check_cluster_fits, load_config
+
+    v6e = ["scaling.use_tpu=true", "scaling.topology=4x4", "scaling.accelerator_type=TPU-V6E", "scaling.num_workers=4",
+           "training.batch_size=16"]
+    code, out, err = run(["config", "validate", TINY] + [x for o in v6e for x in ("--set", o)], capsys)
+    assert code == 0 and "valid" in out, err
+    config = load_config(TINY, v6e)
+    scaling = config.scaling.scaling_config()
+    assert (scaling.use_tpu, scaling.topology, scaling.accelerator_type) == (True, "4x4", "TPU-V6E")
+    assert scaling.resources_per_worker == {"CPU": 1, "TPU": 4}  # Ray's fill from the topology: one host each
+    assert config.training_arguments().num_devices(None, scaling) == 16
+    more_cpus = load_config(TINY, v6e + ["scaling.cpus_per_worker=8"]).scaling.scaling_config()
+    assert more_cpus.resources_per_worker == {"CPU": 8, "TPU": 4}  # Ray fills TPU only without resources_per_worker
+    bad = {("scaling.mesh={dp: 2, tp: 4}",): "multiply to 8 devices, but there are 16",
+           ("scaling.mesh={dp: 4, tp: 4}",): "model/scaling: Mesh axis 'tp'=4 cannot split",
+           ("scaling.use_gpu=true",): "scaling.use_tpu and scaling.use_gpu are both true",
+           ("scaling.gpu_memory_fraction=0.5",): "GPU settings and the run uses TPUs",
+           ("scaling.num_workers=16", "scaling.resources_per_worker={TPU: 1}"): "1 of a TPU host's 4 chips",
+           ("scaling.num_workers=3",): "`num_workers` (3) must be a multiple of 4",
+           ("scaling.topology=null",): "`topology` must be specified",
+           ("scaling.accelerator_type=TPU-V9",): "Invalid accelerator_type: TPU-V9",
+           ("scaling.use_tpu=false",): "scaling.topology='4x4' set but scaling.use_tpu is false",
+           ("training.use_tpu=true",): "set it as scaling.use_tpu"}
+    for overrides, message in bad.items():
+        argv = ["config", "validate", TINY] + [x for o in v6e + list(overrides) for x in ("--set", o)]
+        code, _, err = run(argv, capsys)
+        assert code == 2 and message in err, (overrides, err)
+    # Ray's generic accelerator_type, with GPUs too: passed through.
+    gpu = load_config(TINY, ["scaling.use_gpu=true", "scaling.accelerator_type=A100"]).scaling.scaling_config()
+    assert gpu.accelerator_type == "A100" and not gpu.use_tpu
+
+    # The check before `fit` counts TPUs and the accelerator type like CPUs: 4 v6e hosts fit, 2 or CPU nodes never.
+    host = {"CPU": 180.0, "TPU": 4.0, "accelerator_type:TPU-V6E": 1.0}
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": host}] * 4)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {k: 4 * v for k, v in host.items()})
+    check_cluster_fits(config.scaling)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": host}] * 2)
+    with pytest.raises(ConfigError, match=r"scaling.num_workers=4 can never be placed: each worker needs CPU=1, "
+                                          r"TPU=4, accelerator_type:TPU-V6E=0.001 .* room for 2 worker"):
+        check_cluster_fits(config.scaling)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 64.0}}] * 4)
+    with pytest.raises(ConfigError, match="room for 0 worker"):
+        check_cluster_fits(config.scaling)
+
+
 def test_validate_reads_the_data_columns_and_the_chat_template_without_ray(capsys, tmp_path):
     """A fine-tuner's review: `config validate` passed data without its text column and conversations for a
     tokenizer with no chat template; `fit` said so only once Ray was up and reading (~20 s). Now the first rows of

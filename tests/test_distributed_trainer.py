@@ -511,6 +511,34 @@ def test_gpu_workers_get_their_gpus_and_allocator_settings():
         TrainingArguments(use_gpu=True, num_workers=2, gpus_per_worker=0.5)
 
 
+def test_tpu_workers_get_their_slice_from_the_arguments():
+    """No TPU exists here, and no Ray starts: the ScalingConfig `train()` builds from TrainingArguments, and its checks
+    on the driver. Ray's ScalingConfig validation and its per-worker TPU count (a v6e 4x4 slice: 4 hosts of 4 chips)
+    are real. EasyDeL's config_variables["backend"] names the device (it was ignored, and the run used CPUs)."""
+    from ray_jax_train.backend import resolve_jax_config
+    from ray_jax_train.lm.distributed_trainer import scaling_and_jax_config
+
+    args = TrainingArguments(use_tpu=True, topology="4x4", accelerator_type="TPU-V6E", num_workers=4, batch_size=16)
+    scaling, jax_config = scaling_and_jax_config(args)
+    assert scaling.use_tpu and scaling.resources_per_worker == {"CPU": 1, "TPU": 4}
+    assert resolve_jax_config(jax_config, scaling).platform == "tpu"
+    assert args.num_devices(None, scaling) == 16 and args.num_devices() is None  # only Ray's config knows
+    with pytest.raises(ValueError, match="multiply to 8 devices, but there are 16"):
+        args.model_copy(update={"mesh": {"dp": 2, "tp": 4}}).check_devices(16)
+    with pytest.raises(ValueError, match="use_tpu and use_gpu are both True"):
+        TrainingArguments(use_tpu=True, use_gpu=True)
+    with pytest.raises(ValueError, match="gpus_per_worker set but use_gpu is False, so the run would use TPUs"):
+        TrainingArguments(use_tpu=True, gpus_per_worker=1)
+    with pytest.raises(ValueError, match="`topology` must be specified"):  # Ray's own refusal, before Ray starts
+        scaling_and_jax_config(TrainingArguments(use_tpu=True, num_workers=2))
+
+    variables = {**FIXED, "vocab_size": 300, "backend": "tpu", "platform": "pallas"}
+    trainer = RayDistributedTrainer(model_type="llama", config_scaling_variables=SCALING, config_variables=variables)
+    assert trainer._with_backend(args.model_copy(update={"use_tpu": False})).use_tpu
+    with pytest.raises(ValueError, match=r"backend'\]='tpu' contradicts TrainingArguments\(use_gpu=True\)"):
+        trainer._with_backend(TrainingArguments(use_gpu=True))
+
+
 def test_the_quick_start_script_runs_as_the_readme_gives_it(ray_cluster, tmp_path, capsys):
     """README's main command, `python examples/quickstart_llama.py`, shortened (40 steps, 80 documents): CI runs
     only the tests, so a change that broke the script would land with CI green. The script checks itself that the

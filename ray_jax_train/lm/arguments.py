@@ -135,6 +135,12 @@ class TrainingArguments(BaseModel):
     gpus_per_worker: Optional[float] = Field(None, gt=0)
     gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
     gpu_memory_preallocate: Optional[bool] = None
+    # TPU workers, as Ray's ScalingConfig takes them: the slice's `topology` ("4x4") and `accelerator_type`
+    # ("TPU-V6E"), which Ray needs for more than one worker; each worker then gets one whole host's chips.
+    # `accelerator_type` is Ray's generic field: with use_gpu it asks for a GPU type ("A100").
+    use_tpu: bool = False
+    topology: Optional[str] = None
+    accelerator_type: Optional[str] = None
 
     # Data columns (raw text or chat) for the driver-side tokenisation
     text_column: str = "text"
@@ -201,11 +207,17 @@ class TrainingArguments(BaseModel):
             )
         if self.total_steps is not None:
             self.check_profile_window(self.total_steps)
+        if self.use_tpu and self.use_gpu:
+            raise ValueError("use_tpu and use_gpu are both True: a worker runs JAX on one platform, and Ray refuses "
+                             "both; keep one of them")
+        if self.topology is not None and not self.use_tpu:  # Ray ignores it then: the run would use CPUs or GPUs
+            raise ValueError(f"topology={self.topology!r} set but use_tpu is False; set use_tpu=True for TPU "
+                             "workers, or leave topology out")
         gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
                     if getattr(self, k) is not None]
         if gpu_only and not self.use_gpu:
-            raise ValueError(f"{' / '.join(gpu_only)} set but use_gpu is False, so the run would use CPUs; set "
-                             "use_gpu=True, or leave them out")
+            raise ValueError(f"{' / '.join(gpu_only)} set but use_gpu is False, so the run would use "
+                             f"{'TPUs' if self.use_tpu else 'CPUs'}; set use_gpu=True, or leave them out")
         if self.use_gpu:
             from ray_jax_train.backend import gpu_share_problem
 
@@ -283,6 +295,7 @@ class TrainingArguments(BaseModel):
             return
         later = {name: size for name, size in list(axes.items())[max(batch_dims, default=-1) + 1:] if size > 1}
         more = ("GPUs per worker; CLI: scaling.gpus_per_worker" if self.use_gpu
+                else "a TPU worker has one host's chips: a TPU type with more chips per host" if self.use_tpu
                 else "num_cpu_devices; CLI: scaling.cpu_devices_per_worker")
         raise ValueError(
             f"Mesh {axes} does not give each of the {workers} workers its own block of the batch (each worker has "
@@ -302,9 +315,16 @@ class TrainingArguments(BaseModel):
         mesh = AbstractMesh(tuple(axes.values()), tuple(axes))
         check_llama_parallelism(model_config, mesh, batch_size=self.micro_batch_size)
 
-    def num_devices(self, gpus_per_worker: Optional[float] = None) -> Optional[int]:
-        """Devices the run will have: CPU devices, or GPUs (`gpus_per_worker`, default 1; a share of one GPU is one
-        device). None where Ray would refuse the count anyway (a fraction above 1)."""
+    def num_devices(self, gpus_per_worker: Optional[float] = None, scaling_config=None) -> Optional[int]:
+        """Devices the run will have: CPU devices, GPUs (`gpus_per_worker`, default 1; a share of one GPU is one
+        device), or TPU devices, which only Ray's `scaling_config` knows (its topology, accelerator type and TPUs
+        per worker). None where Ray would refuse the count anyway (a fraction above 1), and for TPU workers without
+        `scaling_config` or an accelerator type."""
+        if self.use_tpu:
+            from ray_jax_train.tpu import devices_per_worker
+
+            per_worker = devices_per_worker(scaling_config) if scaling_config is not None else None
+            return None if per_worker is None else self.num_workers * per_worker
         if not self.use_gpu:
             return self.num_workers * self.num_cpu_devices
         gpus = float(gpus_per_worker or 1)

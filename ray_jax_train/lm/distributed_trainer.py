@@ -24,8 +24,15 @@ CAUSAL_LM_TASKS = ("causal-language-model", "causal_lm", "causal-lm", "causallm"
 _SCALING_FIELDS = ("dtype", "param_dtype", "seed", "max_position_embeddings", "initializer_range", "mesh",
                    "sharding_axis_names", "sharding_axis_dims")
 # EasyDeL settings that choose kernels or layouts this implementation does not have: accepted and ignored.
+# (EasyDeL's `platform` is its kernel family, "jax", "triton" or "pallas"; the device is its `backend`.)
 _IGNORED_EASYDEL = ("attn_mechanism", "attn_dtype", "attn_softmax_dtype", "precision", "partition_axis",
-                    "sharding_dcn_axis_dims", "moe_intermediate_size", "platform", "backend")
+                    "sharding_dcn_axis_dims", "moe_intermediate_size", "platform")
+# EasyDeL's `backend` values that name a device of ours: train() takes them as TrainingArguments' use_gpu/use_tpu.
+_BACKENDS = ("cpu", "gpu", "tpu")
+
+
+def _backend_name(backend: Any) -> Optional[str]:
+    return None if backend is None else str(getattr(backend, "value", backend)).strip().lower()
 
 
 def _task_name(task: Any) -> str:
@@ -151,6 +158,10 @@ class RayDistributedTrainer:
             if variables.pop(key, None) is not None:
                 logger.warning("config_variables[%r] is an EasyDeL kernel/layout setting with no equivalent here; "
                                "ignored.", key)
+        backend = variables.pop("backend", None)
+        if backend is not None and _backend_name(backend) not in _BACKENDS:
+            logger.warning("config_variables['backend']=%r is not a device this trainer runs on (%s); ignored.",
+                           backend, ", ".join(_BACKENDS))
         checkpointing = variables.pop("gradient_checkpointing", None)
         if checkpointing is not None:
             variables["remat"] = str(getattr(checkpointing, "value", checkpointing)).lower() not in ("none", "false", "0")
@@ -311,6 +322,7 @@ class RayDistributedTrainer:
             raise TypeError(f"train() needs {' and '.join(missing)} (train(scaling_index=1, arguments="
                             "TrainingArguments(...), dataset_train=...)).")
         args = arguments if isinstance(arguments, TrainingArguments) else TrainingArguments.model_validate(arguments)
+        args = self._with_backend(args)
         config = self._train_config(scaling_index, args, model)
         problem = config.hf_export_problem() if args.save_final_model else None
         if problem:
@@ -320,11 +332,11 @@ class RayDistributedTrainer:
             args = args.model_copy()
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))
         config.check_cudnn_attention(use_gpu=args.use_gpu, seq_len=args.max_sequence_length)
-        devices = args.num_devices(args.gpus_per_worker)
+        scaling_config, jax_config = scaling_and_jax_config(args)  # Ray's own TPU checks, before Ray starts
+        devices = args.num_devices(args.gpus_per_worker, scaling_config)
         if devices is not None:
             args.check_devices(devices)
             args.check_model_on_mesh(config, devices)
-        scaling_config, jax_config = scaling_and_jax_config(args)
         # Ray started as fit() would start it, before the first call that starts it with one CPU per core (a
         # ray.put here, Ray Data below): on a small machine too few for the workers and the data pipeline at once.
         # Whether the cluster has CPUs to spare is fit()'s check, once the datasets are built (or materialized).
@@ -391,6 +403,18 @@ class RayDistributedTrainer:
     # Extra keys merged into the loop config (tests set {"record_dir": ...}).
     _extra_loop_config: Dict[str, Any] = {}
 
+    def _with_backend(self, args: TrainingArguments) -> TrainingArguments:
+        """EasyDeL's config_variables["backend"] as the device: taken where the arguments name none (use_gpu and
+        use_tpu False), refused where they name another (it was ignored, and the run went to the CPUs)."""
+        backend = _backend_name(self.config_variables.get("backend"))
+        named = "tpu" if args.use_tpu else "gpu" if args.use_gpu else None
+        if backend not in _BACKENDS or backend == (named or "cpu"):
+            return args
+        if named is not None:
+            raise ValueError(f"config_variables['backend']={backend!r} contradicts "
+                             f"TrainingArguments(use_{named}=True); leave one of them out")
+        return TrainingArguments.model_validate({**args.model_dump(), f"use_{backend}": True})
+
     def _train_config(self, scaling_index: int, args: TrainingArguments, model) -> LlamaConfig:
         """The model config for this run: the given model's or the scaled one, with precision overrides."""
         config = model.config if model is not None else self.create_config(scaling_index)
@@ -404,13 +428,16 @@ class RayDistributedTrainer:
 
 def scaling_and_jax_config(args: TrainingArguments):
     """(ScalingConfig, JaxConfig) of a `train()` call: its workers, their GPUs and JAX's GPU allocator settings
-    (a share of a GPU gets JAX's preallocation off and 95% of the share, as under the CLI and JaxTrainer)."""
+    (a share of a GPU gets JAX's preallocation off and 95% of the share, as under the CLI and JaxTrainer), or their
+    TPU slice (Ray gives each worker one host's chips of `topology`; ValueError from Ray for settings it refuses)."""
     from ray.train import ScalingConfig
 
     from ray_jax_train.backend import JaxConfig
 
     gpus = {"CPU": 1.0, "GPU": float(args.gpus_per_worker)} if args.gpus_per_worker else None
-    scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker=gpus)
+    scaling_config = ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu, use_tpu=args.use_tpu,
+                                   topology=args.topology, accelerator_type=args.accelerator_type,
+                                   resources_per_worker=gpus)
     jax_config = JaxConfig(num_cpu_devices=args.num_cpu_devices, gpu_memory_fraction=args.gpu_memory_fraction,
                            gpu_memory_preallocate=args.gpu_memory_preallocate)
     return scaling_config, with_trace_flags(jax_config, args)
