@@ -279,6 +279,25 @@ def test_a_finished_save_ray_never_registered_is_resumed_from_and_a_sigterm_save
     assert [int(n.split("_")[1]) for n in _checkpoint_dirs(result)] == [TOTAL_STEPS - SAVE_EVERY, TOTAL_STEPS]
 
 
+def test_a_save_cut_between_orbax_s_commit_and_its_checksums_is_not_adopted(uninterrupted, tmp_path):
+    """A worker killed after orbax committed a save but before process 0 wrote its checksums.json leaves a directory
+    that looks finished to orbax. A restart must not adopt it (a restore would run unverified, and the test that
+    would catch bit rot in it never runs): only checkpoints whose recorded checksums are there count."""
+    import pyarrow.fs
+
+    from ray_jax_train.checkpoint.core import CHECKSUMS_FILE, _Location, finished_after
+
+    result, _, _ = uninterrupted
+    older, newer = _checkpoint_dirs(result)[-2:]
+    for name in (older, newer):
+        shutil.copytree(os.path.join(result.path, name), tmp_path / name)
+    run = _Location(pyarrow.fs.LocalFileSystem(), str(tmp_path), str(tmp_path))
+    assert [loc.fs_path for loc in finished_after(run, run.child(older))] == [str(tmp_path / newer)]
+    os.remove(tmp_path / newer / CHECKSUMS_FILE)
+    assert finished_after(run, run.child(older)) == []
+    assert [loc.fs_path for loc in finished_after(run, None)] == [str(tmp_path / older)]
+
+
 def test_ray_s_record_naming_a_checkpoint_that_is_gone_is_set_aside_not_fatal(tmp_path, caplog):
     """Ray refused to start such a run ("delete the existing folder": the good checkpoints with it). Set aside, the
     run adopts the newest finished checkpoint left (tests/test_lm_loop.py resumes through a lost record)."""
