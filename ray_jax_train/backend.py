@@ -805,9 +805,9 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     The run directory is what a restarted worker group (and a re-run `fit()` of the same run) sees again, so
     their programs load instead of compiling. JAX's own `JAX_COMPILATION_CACHE_DIR`, set on the driver, names a
     cache that every run shares instead (Tune trials, repeated experiments, a test session), as does one in
-    `RunConfig(worker_runtime_env={"env_vars": ...})`. Storage behind a URI
-    or a custom filesystem has no local path for JAX to write to; then the cache stays off unless one of those
-    names a directory.
+    `RunConfig(worker_runtime_env={"env_vars": ...})`. JAX writes gs:// caches itself (through etils and
+    gcsfs: where TPU runs keep their storage, and their compiles take minutes); other URIs (an S3 endpoint JAX
+    would not know) and custom filesystems leave the cache off unless one of those names a directory.
     """
     if not config.compilation_cache or config.compilation_cache_dir:
         return
@@ -822,6 +822,15 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     storage = str(run_config.storage_path)
     if storage.startswith("file://"):
         storage = storage[len("file://"):]
+    if storage.startswith("gs://") and "?" not in storage and run_config.storage_filesystem is None:
+        import importlib.util
+
+        if importlib.util.find_spec("gcsfs") is not None:
+            config.compilation_cache_dir = f"{storage.rstrip('/')}/{run_config.name}/compilation_cache"
+            return
+        logger.info("JAX's compilation cache in %s needs the gcsfs package (pip install 'ray-jax-train[gcs]'); "
+                    "without it restarts compile again.", storage)
+        return
     if run_config.storage_filesystem is not None or "://" in storage:
         logger.info("Run storage %s is not a local path; set JaxConfig(compilation_cache_dir=...) to keep JAX's "
                     "compilation cache for restarts.", storage)

@@ -209,6 +209,19 @@ def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
     # JAX writes its cache through a local path; a bucket needs an explicit directory.
     remote = rjt.JaxTrainer(loop, run_config=RunConfig(name="r", storage_path="s3://bucket/runs"))
     assert remote.jax_config.compilation_cache_dir is None
+    # gs:// is one JAX writes itself, with gcsfs: TPU runs keep their storage there and compile for minutes. Whether
+    # gcsfs is installed is stood in for (the test extras leave it out).
+    import importlib.util
+
+    from ray_jax_train.backend import place_compilation_cache
+
+    real = importlib.util.find_spec
+    for installed, expected in ((True, "gs://bucket/runs/r/compilation_cache"), (False, None)):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
+            (object() if installed else None) if name == "gcsfs" else real(name, *a, **k)))
+        config = rjt.JaxConfig()
+        place_compilation_cache(config, RunConfig(name="r", storage_path="gs://bucket/runs/"))
+        assert config.compilation_cache_dir == expected
 
 
 def test_train_loop_with_two_arguments_is_rejected():
