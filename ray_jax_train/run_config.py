@@ -4,7 +4,8 @@ Why a schema of its own: a file that reaches a cluster should fail on the driver
 say which key is wrong and what is allowed. Every section forbids unknown keys; `ConfigError` carries messages
 that name the dotted key path and, for typos, the closest valid key.
 
-    model:    {type: llama, hidden_size: 32, num_hidden_layers: 2, ...}   # any LlamaConfig field; init_from
+    model:    {type: llama, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 1}
+              # any LlamaConfig field (heads default to Llama's 32); init_from
     data:     {source: stdlib, max_docs: 200}                              # or .txt/.jsonl/.parquet paths or URIs
     tokenizer: {path: null, vocab_size: 512}                               # null: train one at run time
     training: {total_steps: 20, batch_size: 8, learning_rate: 3e-3, ...}  # TrainingArguments fields
@@ -28,7 +29,7 @@ import typing
 from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ray_jax_train.backend import gpu_share_problem
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, canonical_dtype, refuse_bool_numbers
@@ -228,6 +229,18 @@ class SchedulerSection(_Section):
     grace_period: int = Field(1, ge=1)
     reduction_factor: float = Field(2.0, gt=1)
     max_t: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _used_by_the_type(self) -> "SchedulerSection":
+        # Compared with the defaults, not with the keys given: a resumed search reads back a full dump of its config.
+        unused = {"fifo": ("grace_period", "reduction_factor", "max_t"), "median": ("reduction_factor", "max_t")}
+        ignored = [name for name in unused.get(self.type, ())
+                   if getattr(self, name) != type(self).model_fields[name].default]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} set, but the {self.type} scheduler does not use "
+                             f"{'it' if len(ignored) == 1 else 'them'} (ASHA does): remove "
+                             f"{'it' if len(ignored) == 1 else 'them'}, or use type: asha")
+        return self
 
 
 class TuneSection(_Section):

@@ -279,6 +279,22 @@ def test_gpu_extras_pin_the_same_jax_as_the_core_dependency():
     pin = core[len("jax"):]
     for extra in ("cuda12", "cuda13"):
         assert project["optional-dependencies"][extra] == [f"jax[{extra}]{pin}"]
+    assert project["optional-dependencies"]["tpu"][0] == f"jax[tpu]{pin}"
+
+
+def test_scheduler_settings_the_chosen_scheduler_would_ignore_are_refused():
+    """`median` has no reduction_factor or max_t and `fifo` no grace_period either: they were accepted and ignored (a
+    docs review). A full dump of the config, as a resumed search reads back, still parses."""
+    from ray_jax_train.run_config import SchedulerSection
+
+    with pytest.raises(ValidationError, match=r"reduction_factor, max_t set, but the median scheduler does not use "
+                                              r"them .*use type: asha"):
+        SchedulerSection(type="median", reduction_factor=3, max_t=10)
+    with pytest.raises(ValidationError, match=r"grace_period set, but the fifo scheduler does not use it"):
+        SchedulerSection(type="fifo", grace_period=5)
+    for kind in ("asha", "median", "fifo"):
+        SchedulerSection.model_validate(SchedulerSection(type=kind).model_dump())
+    SchedulerSection(type="median", grace_period=3)
 
 
 def test_a_name_from_another_trainer_is_pointed_at_ours_before_a_look_alike():

@@ -1,7 +1,8 @@
 """The causal-LM path: TrainingArguments, the built-in train loop, and RayDistributedTrainer.
 
     trainer = RayDistributedTrainer("path/to/tokenizer", config_variables={"num_hidden_layers": 2})
-    result = trainer.train(1, TrainingArguments(total_steps=100, batch_size=16, num_workers=2), texts)
+    result = trainer.train(1, TrainingArguments(total_steps=100, batch_size=16, num_workers=2),
+                           [{"text": t} for t in texts])  # rows with a "text" column (strings are file paths)
 """
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.lm.distributed_trainer import RayDistributedTrainer
