@@ -816,3 +816,31 @@ def test_data_with_no_token_to_learn_stops_the_run_and_its_retries(ray_cluster, 
     rows["loss_mask"][-1, -1] = 1  # one token to learn is enough to pass
     one = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
     prepare_lm_datasets(one, None, None, args, materialize=True)
+
+
+def test_the_eval_set_is_read_once_and_kept_while_small():
+    """Every eval read its set again, a Ray Data execution each time, and each left about 1 MB for good in Ray's
+    stats actor and dashboard agent (a soak review). The batches are kept after the first read, up to a size per
+    device; a set over it, or a read cut short by an error, is read again."""
+    import jax.numpy as jnp
+
+    from ray_jax_train.lm.loop import EvalBatches
+
+    opened = []
+
+    def open_batches(n=5):
+        opened.append(1)
+        return ({"ids": jnp.full((4, 8), i, jnp.int32)} for i in range(n))  # closable, as iter_jax_batches is
+
+    kept = EvalBatches(open_batches, max_steps=3)
+    first = [int(b["ids"][0, 0]) for b in kept()]
+    assert first == [0, 1, 2] and [int(b["ids"][0, 0]) for b in kept()] == first and len(opened) == 1
+    # 128 bytes a batch, 640 the set; the limit is per device, the same in every process (their evals must match).
+    too_big = EvalBatches(open_batches, max_bytes=600 // jax.device_count())
+    assert len(list(too_big())) == 5 and len(list(too_big())) == 5 and len(opened) == 3
+    fits = EvalBatches(open_batches, max_bytes=640 // jax.device_count() + 1)
+    assert len(list(fits())) == 5 and len(list(fits())) == 5 and len(opened) == 4
+    cut = EvalBatches(open_batches)
+    for _ in zip(range(2), cut()):  # the pass ends early (an eval step raised, say): nothing half kept
+        pass
+    assert len(list(cut())) == 5 and len(opened) == 6 and len(list(cut())) == 5 and len(opened) == 6

@@ -195,21 +195,17 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                             outputs.filesystem, rank=ray.train.get_context().get_world_rank())
     profiler.skip_resumed(step)
 
+    batch_size = args.eval_batch_size or args.micro_batch_size
+    eval_batches = EvalBatches(lambda: iter_jax_batches("eval", batch_size=batch_size, mesh=mesh, columns=columns,
+                                                        remainder="pad", dtypes=np.int32), args.max_eval_steps)
+
     def evaluate() -> Dict[str, float]:
         # Two different programs with collectives in flight at once deadlock gloo on a CPU mesh with sub-group
         # collectives (tp): a device thread starts the second program's collective while another still runs the
         # first's (a review: fsdp2 x tp2 with eval hung in 3 of 3 runs). So the step just dispatched finishes
         # first, and the eval sums are added up on the host, not by a program in flight beside the eval steps.
         jax.block_until_ready(state)
-        batch_size = args.eval_batch_size or args.micro_batch_size
-        sums = []
-        batches = iter_jax_batches("eval", batch_size=batch_size, mesh=mesh, columns=columns, remainder="pad",
-                                   dtypes=np.int32)
-        with contextlib.closing(batches):  # capped by max_eval_steps: the epoch ends before the next eval opens
-            for i, batch in enumerate(batches):
-                if args.max_eval_steps and i >= args.max_eval_steps:
-                    break
-                sums.append(eval_step(state["params"], batch))
+        sums = [eval_step(state["params"], batch) for batch in eval_batches()]
         if not sums:  # every process agreed on no batch, so all raise here together
             raise ValueError(
                 "The eval dataset gave no batch: Ray splits it equally, rows // workers to each, so it needs at "
@@ -581,6 +577,38 @@ def _summarise(stacked: Dict[str, np.ndarray], last_step: int, schedule) -> Dict
     loss = float(np.sum(stacked["loss"] * tokens) / max(np.sum(tokens), 1.0))
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "grad_norm": float(stacked["grad_norm"][-1]),
             "loss_tokens": float(np.sum(tokens)), "learning_rate": float(schedule(last_step - 1))}
+
+
+class EvalBatches:
+    """The eval set's batches, read once and then kept on the devices while they are small (up to `max_bytes` per
+    device; a 2048-token batch of 16 rows, ids, labels and mask in int32, is 0.4 MB). Each read is a Ray Data
+    execution, and every execution left about 1 MB for good in Ray's stats actor and dashboard agent (a soak review:
+    10 MB per 1000 steps at eval_steps=50); the rows are the same every pass (in_order_split)."""
+
+    def __init__(self, open_batches: Callable[[], Iterator[Dict[str, Any]]], max_steps: Optional[int] = None,
+                 max_bytes: int = 64 * 2**20):
+        self._open, self._max_steps, self._max_bytes = open_batches, max_steps, max_bytes
+        self._kept: Optional[List[Dict[str, Any]]] = None
+
+    def __call__(self) -> Iterator[Dict[str, Any]]:
+        import jax
+
+        if self._kept is not None:
+            yield from self._kept
+            return
+        # Global sizes, the same in every process: all of them keep the set or none does, so their evals match.
+        limit, size, kept = self._max_bytes * jax.device_count(), 0, []
+        with contextlib.closing(self._open()) as batches:  # capped by max_steps: the epoch ends before the next
+            for i, batch in enumerate(batches):
+                if self._max_steps and i >= self._max_steps:
+                    break
+                size += sum(leaf.nbytes for leaf in jax.tree.leaves(batch))
+                if size > limit:
+                    kept = None  # too large to keep: the next eval reads the set again
+                if kept is not None:
+                    kept.append(batch)
+                yield batch
+        self._kept = kept
 
 
 def _report_the_finished_run(outputs, step: int, checkpoint_path: str, rank0: bool) -> None:
