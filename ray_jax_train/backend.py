@@ -822,7 +822,9 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     storage = str(run_config.storage_path)
     if storage.startswith("file://"):
         storage = storage[len("file://"):]
-    if storage.startswith("gs://") and "?" not in storage and run_config.storage_filesystem is None:
+    # Not for CPU workers, which cache every program however small (a bucket write each).
+    if storage.startswith("gs://") and "?" not in storage and run_config.storage_filesystem is None \
+            and config.platform not in (None, "cpu"):
         import importlib.util
 
         if importlib.util.find_spec("gcsfs") is not None:

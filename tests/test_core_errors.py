@@ -219,9 +219,12 @@ def test_compilation_cache_defaults_to_the_run_storage(tmp_path, monkeypatch):
     for installed, expected in ((True, "gs://bucket/runs/r/compilation_cache"), (False, None)):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
             (object() if installed else None) if name == "gcsfs" else real(name, *a, **k)))
-        config = rjt.JaxConfig()
+        config = rjt.JaxConfig(platform="tpu")
         place_compilation_cache(config, RunConfig(name="r", storage_path="gs://bucket/runs/"))
         assert config.compilation_cache_dir == expected
+        cpu = rjt.JaxConfig(platform="cpu")  # every CPU program is cached, however small: not a bucket write each
+        place_compilation_cache(cpu, RunConfig(name="r", storage_path="gs://bucket/runs/"))
+        assert cpu.compilation_cache_dir is None
 
 
 def test_train_loop_with_two_arguments_is_rejected():
