@@ -43,6 +43,11 @@ _NOTICE_LINES = re.compile(r"logging\.cc:\d+: Set ray log level from environment
                            # Tune's trial actors ask for 0.1 CPU (they only wait on their Train run): Ray then
                            # warns that it starts more worker processes than CPUs, which is meant.
                            r"|PYTHON worker processes have been started on node")
+# A worker whose peer died is ended by JAX's coordination service (Ray then restarts the group): its line saying so
+# stays; what it prints before it (two error lines) and after it (a C++ stack trace, the SIGABRT report, Python's
+# fatal-error dump: 25 lines that read like a crash of their own, a soak review) does not.
+_PEER_DIED = re.compile(r"Terminating process because the JAX distributed service detected fatal errors")
+_PEER_DIED_BEFORE = re.compile(r"Failed to cancel preemption barrier|Polled an error from coordination service")
 _QUIET_LOGGERS = ("absl", "orbax", "jax", "ray.train", "ray.data", "ray.tune", "ray_jax_train.checkpoint")
 
 
@@ -155,9 +160,10 @@ def filter_worker_notices() -> Callable[[], None]:
         if index is None:
             return lambda: None
         name, original = handlers[index]
+        keep = WorkerLines()
 
         def print_but_notices(data):
-            lines = [line for line in data.get("lines", ()) if not _NOTICE_LINES.search(line)]
+            lines = keep(data.get("pid"), data.get("lines", ()))
             if lines:
                 original({**data, "lines": lines})
 
@@ -169,6 +175,24 @@ def filter_worker_notices() -> Callable[[], None]:
             dispatcher.handlers = [(n, original if h is print_but_notices else h) for n, h in dispatcher.handlers]
 
     return undo
+
+
+class WorkerLines:
+    """Which of a worker's output lines a quiet driver prints: not the start-up notices (`_NOTICE_LINES`), and of a
+    worker the JAX coordination service ends because a peer died, only the line that says so."""
+
+    def __init__(self):
+        self._ending: set = set()  # pids that printed the coordination service's ending line
+
+    def __call__(self, pid, lines) -> list:
+        kept = []
+        for line in lines:
+            if pid in self._ending or _NOTICE_LINES.search(line) or _PEER_DIED_BEFORE.search(line):
+                continue
+            if _PEER_DIED.search(line):
+                self._ending.add(pid)
+            kept.append(line)
+        return kept
 
 
 def every_worker_line() -> Callable[[], None]:

@@ -862,6 +862,32 @@ def test_tune_resume_without_a_stable_search_name_exits_2_before_ray_starts(tmp_
     assert code == 2 and "set tune.name" in err, err
 
 
+def test_a_quiet_driver_shows_one_line_of_a_worker_ended_because_its_peer_died():
+    """A worker SIGKILLed mid-run: JAX's coordination service ends its peer, which printed 25 lines (a C++ stack
+    trace, the SIGABRT report, Python's fatal-error dump) that read like a crash of their own, in a run that resumed
+    fine (a soak review). The lines are the ones that run printed; the workers' log files keep them all."""
+    from ray_jax_train.quiet import WorkerLines
+
+    ending = [
+        "E1127 13:40:24.538966   25379 preemption_sync_manager.cc:159] Failed to cancel preemption barrier: "
+        "FAILED_PRECONDITION: Tried to cancel non-existent barrier PREEMPTION_SYNC_BARRIER.",
+        "E1127 13:40:24.539024   25379 coordination_service_agent.cc:289] Polled an error from coordination service "
+        "(this can be an error from this or another task).",
+        "F1127 13:40:24.539032   25379 client.h:80] Terminating process because the JAX distributed service detected "
+        "fatal errors. This most likely indicates that another task died; see the other task logs for more details.",
+        "Additional GRPC error information from remote target coordination_service while calling "
+        "/xla.coordination.CoordinationService/PollForError:",
+        "*** Check failure stack trace: ***",
+        "    @     0x7fae84740634  absl::lts_20260107::log_internal::LogMessage::SendToLog()",
+        "*** SIGABRT received at time=1795786824 on cpu 1 ***", "Fatal Python error: Aborted", "",
+        "Extension modules: msgpack._cmsgpack, google._upb._message, psutil._psutil_linux"]
+    keep = WorkerLines()
+    assert keep(25054, ending[:4]) == [ending[2]] and keep(25054, ending[4:]) == []
+    shown = ["Resuming at step 2000 from /runs/kill2/checkpoint_000002000_5f5c3f99.", "*** Check failure stack trace: ***"]
+    assert keep(27362, shown) == shown  # another worker's lines, a crash of its own included, all stay
+    assert keep(1, ["[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"]) == []
+
+
 def test_quiet_workers_silence_ray_loggers_named_by_file_path():
     # Train logs "Reporting training result N: TrainingReport(...)" once per report through
     # logging.getLogger(__file__): a path, which the match on "ray.*" names missed.
