@@ -198,7 +198,7 @@ def loop_figures(run_dir: str, skip_windows: int = 2) -> dict:
         "tokens_per_s_max": max(r["tokens_per_s"] for r in steady),
         "mfu": statistics.median(mfus) if mfus else None,
         "startup_s": next((r["startup_s"] for r in records if "startup_s" in r), None),
-        "first_loss": records[0].get("loss") if records else None,
+        "first_loss": next((r["loss"] for r in records if "loss" in r), None),
         "last_loss": next((r["loss"] for r in reversed(records) if "loss" in r), None),
         "checkpoints": sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "checkpoint_*"))),
         "final_model": os.path.isfile(os.path.join(run_dir, "final_model", "config.json")),

@@ -185,10 +185,11 @@ def plot_search(search_dir: str, output: Optional[str] = None, smoothing: float 
     import matplotlib.pyplot as plt
 
     trials = [t for t in search_trials(search_dir) if os.path.isfile(os.path.join(t["run_dir"], "metrics.jsonl"))]
-    if not trials:
-        raise ValueError(f"{search_dir}: a Tune search directory, but no trial has logged a metrics.jsonl yet (each "
-                         f"trial's run is {os.path.normpath(search_dir)}-<trial id>)")
-    runs = [(t, read_records(t["run_dir"])) for t in trials]
+    # Not the trials that have logged no step yet (their file holds only the line each attempt starts with).
+    runs = [(t, records) for t in trials for records in [read_records(t["run_dir"])] if records]
+    if not runs:
+        raise ValueError(f"{search_dir}: a Tune search directory, but no trial has logged a step to metrics.jsonl yet "
+                         f"(each trial's run is {os.path.normpath(search_dir)}-<trial id>)")
     with_eval = any("eval_loss" in r for _, records in runs for r in records)
     keys = ("loss", "eval_loss") if with_eval else ("loss",)
     fig, axes = plt.subplots(1, len(keys), figsize=(6.4 * len(keys), 4.4), squeeze=False)

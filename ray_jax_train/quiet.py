@@ -163,7 +163,7 @@ def filter_worker_notices() -> Callable[[], None]:
         keep = WorkerLines()
 
         def print_but_notices(data):
-            lines = keep(data.get("pid"), data.get("lines", ()))
+            lines = keep((data.get("ip"), data.get("pid")), data.get("lines", ()))
             if lines:
                 original({**data, "lines": lines})
 
@@ -182,15 +182,15 @@ class WorkerLines:
     worker the JAX coordination service ends because a peer died, only the line that says so."""
 
     def __init__(self):
-        self._ending: set = set()  # pids that printed the coordination service's ending line
+        self._ending: set = set()  # workers (node ip, pid: pids repeat across nodes) that printed the ending line
 
-    def __call__(self, pid, lines) -> list:
+    def __call__(self, worker, lines) -> list:
         kept = []
         for line in lines:
-            if pid in self._ending or _NOTICE_LINES.search(line) or _PEER_DIED_BEFORE.search(line):
+            if worker in self._ending or _NOTICE_LINES.search(line) or _PEER_DIED_BEFORE.search(line):
                 continue
             if _PEER_DIED.search(line):
-                self._ending.add(pid)
+                self._ending.add(worker)
             kept.append(line)
         return kept
 

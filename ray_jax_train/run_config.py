@@ -312,7 +312,7 @@ class ExperimentConfig(_Section):
                     if getattr(s, k) is not None]
         if not s.use_gpu and gpu_only:
             raise ConfigError(f"scaling.{' / '.join(gpu_only)} set but scaling.use_gpu is false, so the run would "
-                              f"use {'TPUs' if s.use_tpu else 'CPUs'}; set scaling.use_gpu: true, or remove them")
+                              "use CPUs; set scaling.use_gpu: true, or remove them")
         try:
             model.check_cudnn_attention(use_gpu=s.use_gpu, seq_len=args.max_sequence_length)
         except ValueError as exc:
@@ -411,6 +411,11 @@ class ExperimentConfig(_Section):
                    "one worker per host of the slice) and scaling.num_workers a multiple of the slice's hosts"
                    if s.use_tpu else "")
             raise ConfigError(f"scaling: Ray's ScalingConfig refuses it: {str(exc).rstrip('.')}.{tpu}") from None
+        if s.use_tpu and not s.topology and "TPU" not in (s.resources_per_worker or {}):
+            logging.getLogger(__name__).warning(
+                "scaling.use_tpu without scaling.topology: each worker gets Ray's default of 1 TPU chip. For a whole "
+                "host give scaling.topology and scaling.accelerator_type (e.g. '2x4' and 'TPU-V6E'), or "
+                "scaling.resources_per_worker: {TPU: <the host's chips>}.")
         if s.use_tpu:
             from ray_jax_train.tpu import host_share_problem
 

@@ -30,7 +30,10 @@ def require_fsspec_client(scheme: str) -> None:
     import importlib.util
 
     package, extra = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}[scheme]
-    if importlib.util.find_spec(package) is None:
+    # etils reaches gs:// through TensorFlow's gfile where TensorFlow is installed (unless EPATH_USE_TF says no).
+    through_tf = scheme == "gs" and importlib.util.find_spec("tensorflow") is not None and \
+        os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0")
+    if importlib.util.find_spec(package) is None and not through_tf:
         raise StoragePackageMissing(
             f"Checkpoints in {scheme}:// storage need the {package} package: orbax writes its metadata files through "
             f"fsspec's {package}. Install it where the workers run (every node): pip install "

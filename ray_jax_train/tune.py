@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -359,10 +360,13 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     # One compilation cache for all trials (the driver's JAX_COMPILATION_CACHE_DIR, or one in the search's
     # directory), not one per trial run: trials of one model share every program the searched values do not
     # shape (the state's init, the eval step, and the train step: optimizer numbers are state, not constants).
-    # Absolute: a trial runs in its own working directory. JAX's cache needs a filesystem path, so storage behind
-    # a URI gets none unless the driver names one.
+    # Absolute: a trial runs in its own working directory. Storage behind a URI gets none unless the driver names
+    # one, but gs:// for GPU and TPU trials, which JAX writes through gcsfs (backend.place_compilation_cache).
+    in_bucket = storage.startswith("gs://") and "?" not in storage and (base.scaling.use_gpu or base.scaling.use_tpu) \
+        and importlib.util.find_spec("gcsfs") is not None
     shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
-        None if is_uri(storage) else os.path.join(storage, name, "compilation_cache"))
+        f"{storage.rstrip('/')}/{name}/compilation_cache" if in_bucket
+        else None if is_uri(storage) else os.path.join(storage, name, "compilation_cache"))
     shared_cache = absolute(shared_cache) if shared_cache else None
 
     attempt = uuid.uuid4().hex  # this call's: a resume (`--resume-errored`) runs failed trials again on purpose

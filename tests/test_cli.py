@@ -543,7 +543,7 @@ def test_plot_of_a_search_draws_every_trial_s_loss_together(tmp_path, capsys):
     empty.mkdir()
     (empty / "search_config.json").write_text("{}")
     code, _, err = run(["plot", str(empty)], capsys)
-    assert code == 2 and "no trial has logged a metrics.jsonl yet" in err
+    assert code == 2 and "no trial has logged a step to metrics.jsonl yet" in err
 
 
 def test_a_private_ray_sized_past_the_machine_says_the_workers_share_its_cores():

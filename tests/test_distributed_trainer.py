@@ -527,7 +527,8 @@ def test_tpu_workers_get_their_slice_from_the_arguments():
         args.model_copy(update={"mesh": {"dp": 2, "tp": 4}}).check_devices(16)
     with pytest.raises(ValueError, match="use_tpu and use_gpu are both True"):
         TrainingArguments(use_tpu=True, use_gpu=True)
-    with pytest.raises(ValueError, match="gpus_per_worker set but use_gpu is False, so the run would use TPUs"):
+    with pytest.raises(ValueError, match="gpus_per_worker set with use_tpu=True, but they are GPU settings and the "
+                                         "run uses TPUs; leave them out"):
         TrainingArguments(use_tpu=True, gpus_per_worker=1)
     with pytest.raises(ValueError, match="`topology` must be specified"):  # Ray's own refusal, before Ray starts
         scaling_and_jax_config(TrainingArguments(use_tpu=True, num_workers=2))

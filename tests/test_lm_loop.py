@@ -835,12 +835,17 @@ def test_the_eval_set_is_read_once_and_kept_while_small():
     kept = EvalBatches(open_batches, max_steps=3)
     first = [int(b["ids"][0, 0]) for b in kept()]
     assert first == [0, 1, 2] and [int(b["ids"][0, 0]) for b in kept()] == first and len(opened) == 1
-    # 128 bytes a batch, 640 the set; the limit is per device, the same in every process (their evals must match).
-    too_big = EvalBatches(open_batches, max_bytes=600 // jax.device_count())
+    # 128 bytes a batch, 640 the set, on one device; the limit is per device, the same in every process.
+    too_big = EvalBatches(open_batches, max_bytes=600)
     assert len(list(too_big())) == 5 and len(list(too_big())) == 5 and len(opened) == 3
-    fits = EvalBatches(open_batches, max_bytes=640 // jax.device_count() + 1)
+    fits = EvalBatches(open_batches, max_bytes=640)
     assert len(list(fits())) == 5 and len(list(fits())) == 5 and len(opened) == 4
     cut = EvalBatches(open_batches)
     for _ in zip(range(2), cut()):  # the pass ends early (an eval step raised, say): nothing half kept
         pass
     assert len(list(cut())) == 5 and len(opened) == 6 and len(list(cut())) == 5 and len(opened) == 6
+    # On a tp mesh a batch is whole on every device: 4 devices hold 512 bytes each of a 512-byte set, not 128.
+    whole = NamedSharding(rjt.make_mesh({"dp": 1, "tp": 4}), PartitionSpec())
+    replicated = EvalBatches(lambda: ({"ids": jax.device_put(jnp.zeros((4, 8), jnp.int32), whole)} for _ in range(4)),
+                             max_bytes=500)
+    assert len(list(replicated())) == 4 and replicated._kept is None

@@ -154,5 +154,12 @@ def test_checkpoints_in_a_bucket_without_its_fsspec_package_are_refused_naming_t
     assert repeats_on_retry(missing.value)  # FailureConfig's retries would find it missing again
     with pytest.raises(storage.StoragePackageMissing, match=r"ray-jax-train\[s3\]"):
         storage.require_fsspec_client("s3")
+    # Where TensorFlow is installed, etils reaches gs:// through its gfile instead (unless EPATH_USE_TF says no).
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (
+        object() if name == "tensorflow" else None if name in ("gcsfs", "s3fs") else real(name, *a, **k)))
+    storage.require_fsspec_client("gs")
+    monkeypatch.setenv("EPATH_USE_TF", "false")
+    with pytest.raises(storage.StoragePackageMissing, match="gcsfs"):
+        storage.require_fsspec_client("gs")
     monkeypatch.setattr(importlib.util, "find_spec", real)
     storage.require_fsspec_client("s3")  # installed by the test extras

@@ -215,9 +215,12 @@ class TrainingArguments(BaseModel):
                              "workers, or leave topology out")
         gpu_only = [k for k in ("gpus_per_worker", "gpu_memory_fraction", "gpu_memory_preallocate")
                     if getattr(self, k) is not None]
+        if gpu_only and self.use_tpu:
+            raise ValueError(f"{' / '.join(gpu_only)} set with use_tpu=True, but they are GPU settings and the run "
+                             "uses TPUs; leave them out")
         if gpu_only and not self.use_gpu:
-            raise ValueError(f"{' / '.join(gpu_only)} set but use_gpu is False, so the run would use "
-                             f"{'TPUs' if self.use_tpu else 'CPUs'}; set use_gpu=True, or leave them out")
+            raise ValueError(f"{' / '.join(gpu_only)} set but use_gpu is False, so the run would use CPUs; set "
+                             "use_gpu=True, or leave them out")
         if self.use_gpu:
             from ray_jax_train.backend import gpu_share_problem
 

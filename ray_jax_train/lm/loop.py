@@ -596,14 +596,16 @@ class EvalBatches:
         if self._kept is not None:
             yield from self._kept
             return
-        # Global sizes, the same in every process: all of them keep the set or none does, so their evals match.
-        limit, size, kept = self._max_bytes * jax.device_count(), 0, []
+        # Bytes per device, the same in every process: all of them keep the set or none does, so their evals match.
+        # (A batch is split over the batch axes only: on a tp or sp mesh each device holds more than its 1/n.)
+        size, kept = 0, []
         with contextlib.closing(self._open()) as batches:  # capped by max_steps: the epoch ends before the next
             for i, batch in enumerate(batches):
                 if self._max_steps and i >= self._max_steps:
                     break
-                size += sum(leaf.nbytes for leaf in jax.tree.leaves(batch))
-                if size > limit:
+                size += sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                            for leaf in jax.tree.leaves(batch))
+                if size > self._max_bytes:
                     kept = None  # too large to keep: the next eval reads the set again
                 if kept is not None:
                     kept.append(batch)
