@@ -825,9 +825,9 @@ def place_compilation_cache(config: JaxConfig, run_config) -> None:
     # Not for CPU workers, which cache every program however small (a bucket write each).
     if storage.startswith("gs://") and "?" not in storage and run_config.storage_filesystem is None \
             and config.platform not in (None, "cpu"):
-        import importlib.util
+        from ray_jax_train.storage import etils_reaches
 
-        if importlib.util.find_spec("gcsfs") is not None:
+        if etils_reaches("gs"):
             config.compilation_cache_dir = f"{storage.rstrip('/')}/{run_config.name}/compilation_cache"
             return
         logger.info("JAX's compilation cache in %s needs the gcsfs package (pip install 'ray-jax-train[gcs]'); "

@@ -24,16 +24,26 @@ class StoragePackageMissing(ImportError):
     retry_repeats_it = True
 
 
-def require_fsspec_client(scheme: str) -> None:
-    """Orbax writes its checkpoints' metadata files through fsspec, which reaches gs:// and s3:// through
-    packages of their own; without one the first save failed in orbax, a whole save interval into the run."""
+_CLIENTS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}  # scheme: (fsspec's package for it, our extra)
+
+
+def etils_reaches(scheme: str) -> bool:
+    """Whether etils (orbax's metadata files, JAX's compilation cache) can reach `scheme`:// here: through fsspec's
+    package for it, or for gs:// through TensorFlow's gfile where TensorFlow is installed (unless EPATH_USE_TF says
+    no)."""
     import importlib.util
 
-    package, extra = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}[scheme]
-    # etils reaches gs:// through TensorFlow's gfile where TensorFlow is installed (unless EPATH_USE_TF says no).
-    through_tf = scheme == "gs" and importlib.util.find_spec("tensorflow") is not None and \
-        os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0")
-    if importlib.util.find_spec(package) is None and not through_tf:
+    if scheme == "gs" and importlib.util.find_spec("tensorflow") is not None and \
+            os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0"):
+        return True
+    return importlib.util.find_spec(_CLIENTS[scheme][0]) is not None
+
+
+def require_fsspec_client(scheme: str) -> None:
+    """Orbax writes its checkpoints' metadata files through etils; without a client for the scheme the first save
+    failed in orbax, a whole save interval into the run."""
+    if not etils_reaches(scheme):
+        package, extra = _CLIENTS[scheme]
         raise StoragePackageMissing(
             f"Checkpoints in {scheme}:// storage need the {package} package: orbax writes its metadata files through "
             f"fsspec's {package}. Install it where the workers run (every node): pip install "
