@@ -52,15 +52,21 @@ def _read_metrics_text(run_dir: str) -> str:
     return text
 
 
-def _step_records(text: str) -> Iterator[Dict]:
-    """Every step record of a metrics.jsonl's text, in file order (all attempts)."""
+def _json_records(text: str) -> Iterator[Dict]:
+    """Every line of a metrics.jsonl's text that is a JSON object, in file order (all attempts)."""
     for line in text.splitlines():
         try:
             record = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue  # a line cut short by a killed run
-        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-            yield record  # not others (hand-written or foreign lines): nothing to draw them at
+        if isinstance(record, dict):
+            yield record
+
+
+def _step_records(text: str) -> Iterator[Dict]:
+    """Every step record of a metrics.jsonl's text, in file order (all attempts)."""
+    # Not others (attempt lines, hand-written or foreign ones): nothing to draw them at.
+    return (record for record in _json_records(text) if isinstance(record.get("step"), (int, float)))
 
 
 def resumed_steps(text: str) -> List[int]:
@@ -71,13 +77,7 @@ def resumed_steps(text: str) -> List[int]:
     facts (`startup_s`, and `start_step` once it existed, else the first step logged after the resume)."""
     starts: List[int] = []
     marked = False  # an attempt line was read and its first step record is still to come
-    for line in text.splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed run
-        if not isinstance(record, dict):
-            continue
+    for record in _json_records(text):
         attempt = record.get("attempt")
         if isinstance(attempt, dict) and isinstance(attempt.get("start_step"), (int, float)):
             starts.append(int(attempt["start_step"]))
