@@ -599,7 +599,7 @@ class EvalBatches:
         # Bytes per device, the same in every process: all of them keep the set or none does, so their evals match.
         # (A batch is split over the batch axes only: on a tp or sp mesh each device holds more than its 1/n.)
         size, kept = 0, []
-        with contextlib.closing(self._open()) as batches:  # capped by max_steps: the epoch ends before the next
+        with contextlib.closing(self._open()) as batches:  # cut at max_steps: the epoch ends before the next read
             for i, batch in enumerate(batches):
                 if self._max_steps and i >= self._max_steps:
                     break
