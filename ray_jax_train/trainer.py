@@ -624,10 +624,21 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
     return False
 
 
+# Ray's GCS keeps a record of every actor task, up to Ray's default of 100,000 (about 350 MB): the controller's
+# 0.1 s status polls and the reports add about 20 a second, so a private Ray's GCS grew 4 MB a minute for 80 minutes
+# (a review; capped at 2,000 it stayed flat). 10,000 keeps ~35 MB of recent task history for `ray list tasks`.
+TASK_EVENTS_IN_GCS = ("RAY_task_events_max_num_task_in_gcs", "10000")
+
+
 def _start_where_it_lasts(**init_kwargs) -> None:
     """`ray.init` of a private Ray, from a thread that lives as long as this process. Ray's node processes die with
     the thread that forked them (PR_SET_PDEATHSIG is per thread): a first fit() in a thread of the user's lost Ray
     when that thread ended, and the process a minute later (a notebook review)."""
+    with env_unless_set(*TASK_EVENTS_IN_GCS):  # read by the GCS this starts
+        _start_in_a_lasting_thread(**init_kwargs)
+
+
+def _start_in_a_lasting_thread(**init_kwargs) -> None:
     import threading
 
     import ray

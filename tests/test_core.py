@@ -871,6 +871,11 @@ starter.join()
 time.sleep(1.5)  # the kernel ends a dead thread's children at once
 assert ray.get(ray.remote(lambda: 7).remote(), timeout=60) == 7
 print("ray outlived the thread that started it", flush=True)
+# Its GCS keeps 10,000 task records, not Ray's 100,000 (~350 MB, reached after 80 minutes of status polls).
+gcs = ray._private.worker._global_node.all_processes["gcs_server"][0].process.pid
+with open(f"/proc/{gcs}/environ", "rb") as f:
+    assert b"RAY_task_events_max_num_task_in_gcs=10000" in f.read().split(b"\0")
+assert "RAY_task_events_max_num_task_in_gcs" not in os.environ  # set only while Ray started
 
 # No autoscaler grows the Ray that init_ray started: workers it cannot place are refused, not retried for ever.
 try:
