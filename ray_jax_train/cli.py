@@ -480,6 +480,10 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
 
         line += _where_the_bad_row_is(read_error(_worker_error(exc)), config)
     print(f"[ray-jax-train] training failed: {line}", file=sys.stderr)
+    from ray_jax_train.retries import why_not_retried
+
+    if why_not_retried(exc):  # the first worker's error, above, may only say that a worker died
+        print(f"[ray-jax-train] {why_not_retried(exc)}", file=sys.stderr)
     print(f"[ray-jax-train] logs and partial outputs: {run_dir}"
           + ("" if verbose else " (re-run with --verbose for the traceback)"), file=sys.stderr)
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one

@@ -3,6 +3,11 @@ data and checkpoint raise again on every attempt (a checkpoint of another model,
 cannot be read) ends the run at once: retried, it restarted the worker group `max_failures` times, and forever
 with `max_failures=-1`.
 
+Attempts that die before they report anything (a worker killed for memory at its first step, a node that cannot
+start the backend) end the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS (5) of them in a row, whatever
+`max_failures` allows: each such attempt starts where the last one did, so with `max_failures=-1` the run looped
+for good, and Ray's memory monitor kills look like lost workers.
+
 An exception class says it is such an error with the class attribute `retry_repeats_it = True`; the library's own
 (CheckpointMismatchError, NonFiniteLossError, NoLossTokensError, NoFullBatchError, TextDataError) do, and a
 custom loop's exceptions may too; so does a permission error (EACCES, EPERM, EROFS: storage the run may not write in). The worker marks the error it raises when such an error is in its chain (as the
@@ -12,9 +17,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from typing import Iterator
 
+from ray.train.v2._internal.execution.callback import ReportCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from ray.train.v2._internal.execution.failure_handling.default import _is_preemption_failure
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 logger = logging.getLogger(__name__)
@@ -64,12 +72,80 @@ def marking_repeated_errors(train_func):
     return run
 
 
+# Reports the controller has received. Ray hands the policy and the callbacks to the controller actor as separate
+# arguments, so they share this (one controller per process), not a reference.
+_reports_seen = 0
+
+RETRIES_WITHOUT_PROGRESS = "RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS"
+
+
+def retries_without_progress_limit() -> int:
+    """Read on the driver (the controller does not get its environment): 0 turns the rule off."""
+    value = os.environ.get(RETRIES_WITHOUT_PROGRESS, "5")
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{RETRIES_WITHOUT_PROGRESS}={value!r}: give a whole number of attempts, 0 or more "
+                         "(0: retry as FailureConfig allows, however many attempts end before their first report)")
+    return limit
+
+
+NOT_RETRIED = "Not retrying: "
+
+
+def _explain(error: WorkerGroupError, why: str) -> None:
+    """`why` at the head of the error's message: the error reaches fit()'s caller through its __reduce__, which
+    keeps the message and the workers' errors only (a note was lost on the way)."""
+    message = getattr(error, "_error_message", None)
+    if isinstance(message, str):
+        error._error_message = f"{why}\n{message}"
+        error.args = tuple(str(arg).replace(message, error._error_message, 1) for arg in error.args[:1])
+
+
+def why_not_retried(exc: BaseException) -> str:
+    """The reason this policy gave for ending the run without a retry, if it gave one ('' otherwise)."""
+    for error in _causes(exc):
+        message = getattr(error, "_error_message", None)
+        if isinstance(message, str) and message.startswith(NOT_RETRIED):
+            return message.splitlines()[0]
+    return ""
+
+
+class CountsReports(ReportCallback):
+    """Counts reports in the controller: an attempt that reported made progress."""
+
+    def after_report(self, training_report, metrics) -> None:
+        global _reports_seen
+        _reports_seen += 1
+
+
 class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
-    """Ray's policy, except that a worker group error a retry would repeat is raised at once."""
+    """Ray's policy, except that a worker group error a retry would repeat is raised at once, and so is the last
+    of `without_progress` failed attempts in a row that reported nothing (preemptions aside)."""
+
+    def __init__(self, failure_config, without_progress: int = 5):
+        super().__init__(failure_config)
+        self._without_progress = without_progress
+        self._reports_at_last_failure = 0
+        self._attempts_without_progress = 0
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if isinstance(training_failed_error, WorkerGroupError) and repeats_on_retry(training_failed_error):
             logger.warning("Not retrying: the workers' error would repeat on every attempt (FailureConfig's "
                            "retries are for lost workers and storage); the run ends with it.")
             return FailureDecision.RAISE
+        if isinstance(training_failed_error, WorkerGroupError) and not _is_preemption_failure(training_failed_error):
+            progressed = _reports_seen != self._reports_at_last_failure
+            self._reports_at_last_failure = _reports_seen
+            self._attempts_without_progress = 0 if progressed else self._attempts_without_progress + 1
+            if self._without_progress and self._attempts_without_progress >= self._without_progress:
+                why = (f"{NOT_RETRIED}{self._attempts_without_progress} attempts in a row failed before their "
+                       "first report, each starting where the last did (a worker killed for memory at its first "
+                       "step, say: a smaller batch or model, or more memory per worker, is the fix). "
+                       f"{RETRIES_WITHOUT_PROGRESS}=0 on the driver lets FailureConfig(max_failures) retry them.")
+                logger.warning(why)
+                _explain(training_failed_error, why)
+                return FailureDecision.RAISE
         return super().make_decision(training_failed_error)

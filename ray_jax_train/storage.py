@@ -39,6 +39,12 @@ def etils_reaches(scheme: str) -> bool:
     return importlib.util.find_spec(_CLIENTS[scheme][0]) is not None
 
 
+def jax_can_cache_in(storage: str) -> bool:
+    """Whether JAX can keep its compilation cache at this URI itself: gs:// (through etils), plain paths only (a
+    '?' carries filesystem options JAX would not read)."""
+    return storage.startswith("gs://") and "?" not in storage
+
+
 def require_fsspec_client(scheme: str) -> None:
     """Orbax writes its checkpoints' metadata files through etils; without a client for the scheme the first save
     failed in orbax, a whole save interval into the run."""

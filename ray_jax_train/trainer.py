@@ -147,6 +147,9 @@ class JaxTrainer(DataParallelTrainer):
         problem = run_name_problem(getattr(run_config, "name", None))
         if problem:
             raise ValueError(f"RunConfig(name=...): {problem}")
+        from ray_jax_train.retries import retries_without_progress_limit
+
+        retries_without_progress_limit()  # a bad setting is named here, not at fit()
         jax_config = resolve_jax_config(jax_config, scaling_config, run_config)
         if scaling_config.num_workers != 0:
             run_config = with_worker_allocator(jax_config, run_config)
@@ -246,14 +249,18 @@ class JaxTrainer(DataParallelTrainer):
         return marking_repeated_errors(super()._get_train_func())
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        from ray_jax_train.retries import RetriesSkipRepeatedErrors
+        from ray_jax_train.retries import RetriesSkipRepeatedErrors, retries_without_progress_limit
 
-        controller_init_kwargs["failure_policy"] = RetriesSkipRepeatedErrors(self.run_config.failure_config)
+        controller_init_kwargs["failure_policy"] = RetriesSkipRepeatedErrors(
+            self.run_config.failure_config, retries_without_progress_limit())
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
+        from ray_jax_train.retries import CountsReports
+
         return _without_blind_cleaner(super()._create_default_callbacks()) + [
-            AbortIsNoPreemption(), LatestMetrics(), ReportBarrierMarks(), SaysWhyItWaits(), ToleratesRemovedCheckpoints()]
+            AbortIsNoPreemption(), LatestMetrics(), CountsReports(), ReportBarrierMarks(), SaysWhyItWaits(),
+            ToleratesRemovedCheckpoints()]
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"

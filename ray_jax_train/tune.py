@@ -32,7 +32,7 @@ from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, Config
                                       ensure_tokenizer, init_tokenizer_dir, parse_config, read_file,
                                       trained_tokenizer_dir, trial_lengths)
 from ray_jax_train.quiet import every_worker_line, filter_worker_notices, quiet_data_context, quiet_worker
-from ray_jax_train.storage import absolute, etils_reaches, is_uri, join, local_dir_for, qualified, read_text
+from ray_jax_train.storage import absolute, etils_reaches, is_uri, jax_can_cache_in, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
 
 __all__ = ["SearchInterrupted", "TuneOutcome", "can_resume", "restore_best", "run", "search_space"]
@@ -361,8 +361,7 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     # shape (the state's init, the eval step, and the train step: optimizer numbers are state, not constants).
     # Absolute: a trial runs in its own working directory. Storage behind a URI gets none unless the driver names
     # one, but gs:// for GPU and TPU trials, which JAX writes through gcsfs (backend.place_compilation_cache).
-    in_bucket = storage.startswith("gs://") and "?" not in storage and (base.scaling.use_gpu or base.scaling.use_tpu) \
-        and etils_reaches("gs")
+    in_bucket = jax_can_cache_in(storage) and (base.scaling.use_gpu or base.scaling.use_tpu) and etils_reaches("gs")
     shared_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
         f"{storage.rstrip('/')}/{name}/compilation_cache" if in_bucket
         else None if is_uri(storage) else os.path.join(storage, name, "compilation_cache"))

@@ -718,6 +718,101 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
     transient = as_the_controller_gets_it(EmptyDatasetError("no files found under ['/mnt/shared/data']"))
     assert [policy.make_decision(failed(lost)), policy.make_decision(failed(transient)),
             policy.make_decision(failed(lost))] == [FailureDecision.RETRY] * 2 + [FailureDecision.RAISE]
+    # Attempts that reported nothing, in a row, end the run at the limit whatever max_failures allows; one that
+    # reported starts the count again.
+    from ray_jax_train import retries
+
+    policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1), without_progress=3)
+    decisions = []
+    for reported in (1, 0, 0, 1, 0, 0, 0):
+        retries._reports_seen += reported
+        decisions.append(policy.make_decision(failed(lost)))
+    assert decisions == [FailureDecision.RETRY] * 6 + [FailureDecision.RAISE]
     # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
     assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))
     assert not repeats_on_retry(ConnectionError(errno.ECONNRESET, "reset")) and not repeats_on_retry(OSError(errno.EIO, "io"))
+
+
+def test_attempts_that_die_before_their_first_report_end_the_run(ray_cluster, tmp_path, monkeypatch):
+    """A worker killed for memory at its first step looks like a lost worker to Ray, and with max_failures=-1 the
+    group restarted forever, each attempt from the same place. Attempts that reported (progress) do not count:
+    here attempts 1-2 report and die, 3-4 die at once; with a limit of 2 the run ends at attempt 4, not 2 (the
+    policy and the report counter reach the controller as separate arguments: this checks they still meet)."""
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_jax_train.retries import RETRIES_WITHOUT_PROGRESS, why_not_retried
+
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+
+    def loop():
+        import os
+        import time
+
+        import ray.train
+
+        n = len(os.listdir(attempts)) + 1
+        open(attempts / str(n), "w").close()
+        if n <= 2:
+            ray.train.report({"attempt": n})
+            time.sleep(1)  # the controller collects reports at its next poll of the worker (0.1 s)
+        os._exit(1)  # as the kernel's OOM killer would
+
+    monkeypatch.setenv(RETRIES_WITHOUT_PROGRESS, "2")
+    with pytest.raises(WorkerGroupError) as failed:
+        rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
+                       run_config=RunConfig(name="no-progress", storage_path=str(tmp_path / "runs"),
+                                            failure_config=FailureConfig(max_failures=-1))).fit()
+    assert len(os.listdir(attempts)) == 4, os.listdir(attempts)
+    assert "errors:\nNot retrying: 2 attempts in a row failed before their first report" in str(failed.value)
+    assert why_not_retried(failed.value).endswith("lets FailureConfig(max_failures) retry them.")
+    assert "A worker health check failed" in str(failed.value)  # Ray's own account follows
+
+    monkeypatch.setenv(RETRIES_WITHOUT_PROGRESS, "two")
+    with pytest.raises(ValueError, match="RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS='two'"):
+        rjt.JaxTrainer(loop, run_config=RunConfig(name="bad-limit", storage_path=str(tmp_path / "runs")))
+
+
+def test_the_orbax_guard_waits_for_the_loop_to_import_orbax():
+    """Installing it imported orbax in every multi-process worker (~0.9 s of each start-up); now it is installed
+    when orbax is imported, by whatever imports it (the checkpoint package here), and wraps both savers."""
+    code = """
+import sys
+from ray_jax_train._after_import import call_after_import
+from ray_jax_train.backend import _install_orbax_guard
+call_after_import("orbax.checkpoint", _install_orbax_guard)
+call_after_import("orbax.checkpoint", _install_orbax_guard)  # a second group start in the same worker
+assert "orbax.checkpoint" not in sys.modules
+import ray_jax_train.checkpoint
+import orbax.checkpoint as ocp
+assert ocp.Checkpointer.save._ray_jax_train_guard and ocp.AsyncCheckpointer.save._ray_jax_train_guard
+assert ocp.__spec__.loader is ocp.__loader__ and type(ocp.__loader__).__name__ == "SourceFileLoader"
+assert not [f for f in sys.meta_path if type(f).__module__ == "ray_jax_train._after_import"]
+call_after_import("orbax.checkpoint", lambda: print("at once"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "at once", done.stdout + done.stderr[-3000:]
+
+
+def test_workers_after_the_first_wait_for_the_coordinator_to_listen():
+    """A client that dials before process 0's service listens waits out gRPC's 1 s reconnect backoff: each
+    multi-process start paid ~1 s. The wait returns once the port accepts, and at its timeout when nothing does."""
+    import socket
+    import threading
+    import time
+
+    from ray_jax_train.backend import _wait_for_coordinator
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    timer = threading.Timer(0.3, server.listen)
+    timer.start()
+    started = time.monotonic()
+    _wait_for_coordinator(f"127.0.0.1:{port}", 30)
+    assert 0.25 < time.monotonic() - started < 5
+    server.close()
+    started = time.monotonic()
+    _wait_for_coordinator(f"127.0.0.1:{port}", 1)  # nothing listens: initialize reports it after this
+    assert 0.9 < time.monotonic() - started < 5
