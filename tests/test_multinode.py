@@ -106,8 +106,9 @@ def two_node_cluster():
         yield {"url": url, "env": env, "temp": temp}
     finally:
         for proc in reversed(procs):
-            # The head's `ray start` waits ~30 s for something at its stop; a throwaway cluster need not.
-            _stop(proc, timeout=10)
+            # The head's `ray start` waits ~30 s for something at its stop (10 s of every run went there); a
+            # throwaway cluster need not: its process group is killed after 3 s.
+            _stop(proc, timeout=3)
         for log in logs:
             log.close()
         shutil.rmtree(temp, ignore_errors=True)
