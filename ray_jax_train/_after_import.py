@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import threading
 from typing import Callable
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
+_searching = threading.local()  # this thread is inside a finder's own spec search: finders step aside
+
+
+def _without(finder) -> None:
+    # A new list, not an edit in place: another thread's import may be iterating over the old one.
+    with _lock:
+        sys.meta_path = [f for f in sys.meta_path if f is not finder]
 
 
 class _Loader(importlib.abc.Loader):
     """The module's own loader, then `then()`."""
 
-    def __init__(self, loader, then: Callable[[], None]):
-        self._loader, self._then = loader, then
+    def __init__(self, loader, finder: "_Finder"):
+        self._loader, self._finder = loader, finder
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -26,8 +35,12 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = self._loader  # the module sees its own loader (resources, reloads)
         module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._then()
+        self._loader.exec_module(module)  # a failed import leaves the finder for the next try
+        _without(self._finder)
+        try:
+            self._finder.then()
+        except Exception:  # noqa: BLE001 - the user's import succeeded; what runs after it must not fail it
+            logger.warning("After importing %s: %s failed", self._finder.name, self._finder.then, exc_info=True)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -38,16 +51,16 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.name, self.then = name, then
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
+        if fullname != self.name or getattr(_searching, "active", False):
             return None
-        with _lock:
-            if self not in sys.meta_path:
-                return None
-            sys.meta_path.remove(self)  # once; and the search below must not find this finder again
-        spec = importlib.util.find_spec(fullname)
+        _searching.active = True
+        try:  # the spec the other finders give; a lookup without an import (find_spec) leaves this finder in place
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            _searching.active = False
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _Loader(spec.loader, self.then)
+        spec.loader = _Loader(spec.loader, self)
         return spec
 
 
@@ -59,4 +72,4 @@ def call_after_import(name: str, then: Callable[[], None]) -> None:
     with _lock:
         if any(isinstance(f, _Finder) and f.name == name and f.then == then for f in sys.meta_path):
             return
-        sys.meta_path.insert(0, _Finder(name, then))
+        sys.meta_path = [_Finder(name, then), *sys.meta_path]

@@ -642,15 +642,14 @@ def _setup_worker(
         # Ask JAX nothing here: that would start its backend, and the loop's own jax.distributed.initialize
         # must come first.
         return {}
-    if process_id != 0:
-        _wait_for_coordinator(coordinator, config.initialization_timeout_s)
+    waited = _wait_for_coordinator(coordinator, config.initialization_timeout_s) if process_id != 0 else 0.0
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
             process_id=process_id,
             local_device_ids=local_device_ids,
-            initialization_timeout=config.initialization_timeout_s,
+            initialization_timeout=max(1, math.ceil(config.initialization_timeout_s - waited)),
             heartbeat_timeout_seconds=config.heartbeat_timeout_s,
             shutdown_timeout_seconds=config.shutdown_timeout_s,
         )
@@ -696,21 +695,23 @@ def _install_orbax_guard() -> None:
     orbax_guard.install()
 
 
-def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
-    """Until process 0's coordination service listens. A client that connects before it does waits out gRPC's
-    1 s reconnect backoff, and the workers start together, so every multi-process start (restarts too) paid ~1 s.
-    Returns at the timeout either way: jax.distributed.initialize then reports what it finds."""
+def _wait_for_coordinator(coordinator: str, timeout_s: float) -> float:
+    """Until process 0's coordination service listens; the seconds waited. A client that connects before it does
+    waits out gRPC's 1 s reconnect backoff, and the workers start together, so every multi-process start (restarts
+    too) paid ~1 s. Returns at the timeout either way: jax.distributed.initialize then reports what it finds."""
     import socket
     import time
 
     host, _, port = coordinator.rpartition(":")
-    deadline = time.monotonic() + max(1.0, min(timeout_s, 60.0))
+    started = time.monotonic()
+    deadline = started + max(1.0, min(timeout_s, 60.0))
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
-            return
+            break
         except OSError:
             time.sleep(0.01)
+    return time.monotonic() - started
 
 
 def _backend_not_installed(exc: BaseException) -> bool:

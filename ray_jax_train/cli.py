@@ -489,7 +489,8 @@ def _training_failed(exc: BaseException, verbose: bool, run_dir: str, resume: Op
     if resume:  # once the cause is fixed (or a lost node is back), from the run's latest checkpoint if it saved one
         from ray_jax_train.retries import repeats_on_retry
 
-        fix_first = " (after fixing the cause: as it is, it stops the same way)" if repeats_on_retry(exc) else ""
+        fix_first = (" (after fixing the cause: as it is, it stops the same way)"
+                     if repeats_on_retry(exc) or why_not_retried(exc) else "")
         print(f"[ray-jax-train] resume:  {resume}{fix_first}", file=sys.stderr)
     return EXIT_FAILED
 

@@ -92,7 +92,7 @@ def retries_without_progress_limit() -> int:
     return limit
 
 
-NOT_RETRIED = "Not retrying: "
+NOT_RETRIED = "Stopped retrying: "
 
 
 def _explain(error: WorkerGroupError, why: str) -> None:
@@ -128,8 +128,13 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
     def __init__(self, failure_config, without_progress: int = 5):
         super().__init__(failure_config)
         self._without_progress = without_progress
-        self._reports_at_last_failure = 0
+        self._reports_at_last_failure = _reports_seen
         self._attempts_without_progress = 0
+
+    def __setstate__(self, state):
+        # Unpickled in the controller: counting starts from this process's reports so far.
+        self.__dict__.update(state)
+        self._reports_at_last_failure = _reports_seen
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if isinstance(training_failed_error, WorkerGroupError) and repeats_on_retry(training_failed_error):
@@ -141,10 +146,12 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
             self._reports_at_last_failure = _reports_seen
             self._attempts_without_progress = 0 if progressed else self._attempts_without_progress + 1
             if self._without_progress and self._attempts_without_progress >= self._without_progress:
-                why = (f"{NOT_RETRIED}{self._attempts_without_progress} attempts in a row failed before their "
+                n = self._attempts_without_progress
+                why = (f"{NOT_RETRIED}{n} attempt{'s' if n != 1 else ''} in a row failed before their "
                        "first report, each starting where the last did (a worker killed for memory at its first "
                        "step, say: a smaller batch or model, or more memory per worker, is the fix). "
-                       f"{RETRIES_WITHOUT_PROGRESS}=0 on the driver lets FailureConfig(max_failures) retry them.")
+                       f"{RETRIES_WITHOUT_PROGRESS}=0 where fit() is called (the CLI's environment) lets "
+                       "max_failures retry them.")
                 logger.warning(why)
                 _explain(training_failed_error, why)
                 return FailureDecision.RAISE

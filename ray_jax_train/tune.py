@@ -368,11 +368,15 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     shared_cache = absolute(shared_cache) if shared_cache else None
 
     attempt = uuid.uuid4().hex  # this call's: a resume (`--resume-errored`) runs failed trials again on purpose
+    from ray_jax_train.retries import RETRIES_WITHOUT_PROGRESS, retries_without_progress_limit
+
+    without_progress = str(retries_without_progress_limit())  # this process's setting, checked here
 
     def trial(trial_space: Dict[str, Any]) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
         if shared_cache:
             os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
+        os.environ[RETRIES_WITHOUT_PROGRESS] = without_progress  # the trial's fit() reads it, as the driver's would
         if quiet:
             quiet_worker()
             quiet_data_context()

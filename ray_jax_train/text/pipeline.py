@@ -2,7 +2,7 @@
 
 Each ``map_batches`` call takes a batch of raw rows (text or chat messages) and returns packed
 rows (see ``packing.py``); a batch is the packing window, so a larger ``batch_size`` wastes
-fewer tokens on padding at the end of each window. The tokenizer is loaded once per actor,
+fewer tokens on padding at the end of each window. The tokenizer is loaded once per worker process,
 from a local directory or from one copy in the object store, not shipped with every batch.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _texts(values, column: str) -> list:
 def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "text",
                       messages_column: str = "messages", add_bos: bool = True,
                       max_position_embeddings: int | None = None, truncation: bool = False,
-                      batch_size: int = 1024, concurrency: int | tuple[int, int] = 1,
+                      batch_size: int = 1024, concurrency: int | tuple[int, int] | None = None,
                       num_cpus: float = 1, check_not_empty: bool = True):
     """Return a Ray dataset of packed rows built from ``dataset``'s text or messages column.
 
@@ -124,8 +124,9 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     ``[bos] + tokens + eos`` (``add_bos``); chat documents are whatever the chat template renders,
     with loss on assistant tokens only. ``max_position_embeddings`` caps document length (cut
     with ``truncation=True``, else ``SequenceTooLongError`` from the worker); without it nothing
-    is cut. ``concurrency`` is the number of tokenising actors, or (min, max) to autoscale;
-    ``batch_size`` rows form one packing window.
+    is cut. ``concurrency`` is the number of tokenising actors, or (min, max) to autoscale; None (the
+    default) tokenises in Ray tasks instead, which run in Ray's pooled worker processes: an actor is a process
+    started for it, ~1 s of every run's start-up per dataset. ``batch_size`` rows form one packing window.
     """
     import ray
     import ray.data
@@ -156,16 +157,33 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
     # constructor args (keeping actor restarts possible) instead of resolving it.
     handle = [ray.put(tok)]
+    settings = dict(text_column=text_column, messages_column=messages_column, kind=kind, add_bos=add_bos,
+                    max_position_embeddings=max_position_embeddings, truncation=truncation, pad_id=pad_id)
+    if concurrency is None:
+        return dataset.map_batches(_tokenize_and_pack_batch, batch_size=batch_size, batch_format="pyarrow",
+                                   num_cpus=num_cpus, fn_kwargs=dict(handle=handle, seq_len=seq_len, **settings))
     if isinstance(concurrency, tuple):
         compute = ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
     else:
         compute = ray.data.ActorPoolStrategy(size=concurrency)
     return dataset.map_batches(
         TokenizeAndPack, batch_size=batch_size, batch_format="pyarrow", compute=compute, num_cpus=num_cpus,
-        fn_constructor_args=(handle, seq_len),
-        fn_constructor_kwargs=dict(text_column=text_column, messages_column=messages_column, kind=kind,
-                                   add_bos=add_bos, max_position_embeddings=max_position_embeddings,
-                                   truncation=truncation, pad_id=pad_id))
+        fn_constructor_args=(handle, seq_len), fn_constructor_kwargs=settings)
+
+
+# The tokenizing callable per tokenizer in the object store, kept by the pooled worker process that runs the
+# tasks: loaded at its first batch, not at every batch. A few, for the datasets of the runs this process serves.
+_WORKER_TOKENIZERS: dict = {}
+
+
+def _tokenize_and_pack_batch(batch, *, handle, seq_len: int, **settings):
+    key = (handle[0].hex(), seq_len, tuple(sorted(settings.items())))
+    step = _WORKER_TOKENIZERS.get(key)
+    if step is None:
+        if len(_WORKER_TOKENIZERS) >= 4:
+            _WORKER_TOKENIZERS.pop(next(iter(_WORKER_TOKENIZERS)))
+        step = _WORKER_TOKENIZERS[key] = TokenizeAndPack(handle, seq_len, **settings)
+    return step(batch)
 
 
 def _check_some_document(dataset, first_row: Mapping[str, Any], columns: list[str], resolved: tuple[str, str],
