@@ -38,11 +38,25 @@ print("RESULT " + json.dumps({"file": rjt.__file__, "fits": out}))
 """
 
 
+# Runs at every start-up after the .pth files: an editable install's import hook would win over PYTHONPATH, in
+# this process and in the Ray workers it starts (they inherit PYTHONPATH, so this file too).
+SITECUSTOMIZE = """import sys
+sys.meta_path = [f for f in sys.meta_path
+                 if "__editable__" not in (getattr(f, "__module__", "") or "") + type(f).__module__]
+"""
+
+
 def run(checkout: str, fits: int, storage: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    hook = os.path.join(storage + "_site")
+    os.makedirs(hook, exist_ok=True)
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+        f.write(SITECUSTOMIZE)
+    paths = [hook, checkout] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     env.pop("RAY_ADDRESS", None)
+    # Not from this directory: `-c` puts the working directory first on sys.path, and Ray gives it to the workers.
     done = subprocess.run([sys.executable, "-c", CHILD, str(fits), storage], env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=hook)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise RuntimeError(f"{checkout}: exit {done.returncode}\n{done.stderr[-3000:]}")
