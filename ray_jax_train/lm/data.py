@@ -355,8 +355,9 @@ def _rows_as_arrays(batch: Dict[str, Any], blank: bool = False) -> Dict[str, Any
 
 
 def _too_few_cpus(args: TrainingArguments) -> bool:
-    """Whether streaming the text pipeline during training could wait forever: it needs a CPU for the tokenizer
-    actor, which holds its CPU for the whole run, and one for a read task, beside the workers' own."""
+    """Whether streaming the text pipeline during training could starve: it wants CPUs for its read and tokenizing
+    tasks beside the workers' own (a tokenizing actor, `concurrency=N`, holds one for the whole run: with 1 spare
+    CPU the read task never ran)."""
     import ray
     from ray.train import ScalingConfig
 

@@ -125,8 +125,10 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     with loss on assistant tokens only. ``max_position_embeddings`` caps document length (cut
     with ``truncation=True``, else ``SequenceTooLongError`` from the worker); without it nothing
     is cut. ``concurrency`` is the number of tokenising actors, or (min, max) to autoscale; None (the
-    default) tokenises in Ray tasks instead, which run in Ray's pooled worker processes: an actor is a process
-    started for it, ~1 s of every run's start-up per dataset. ``batch_size`` rows form one packing window.
+    default) tokenises in Ray tasks instead, at most ``TOKENIZING_TASKS`` at once, which run in Ray's pooled worker
+    processes: an actor is a process started for it, ~1 s of every run's start-up per dataset. ``batch_size`` rows
+    form one packing window (a task step may be fused with a ``map_batches`` chained after it with another batch
+    size, or split per block before a shuffle, which moves the windows; the actor pool's never are).
     """
     import ray
     import ray.data
@@ -153,15 +155,16 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
                               messages_column=messages_column)
         if kind == "messages":
             _warn_about_sampled_conversations(dataset, tok, seq_len, messages_column, text_column)
-    # One copy in the object store, fetched once per actor, even when given as a path: the actors may run on
-    # nodes that do not have the driver's directory. The ref is nested in a list so Ray inlines the
-    # constructor args (keeping actor restarts possible) instead of resolving it.
+    # One copy in the object store, fetched once per worker process (or actor), even when given as a path: they
+    # may run on nodes that do not have the driver's directory. The ref is nested in a list so Ray passes it as it
+    # is (an actor's constructor args stay inlined, keeping restarts possible) instead of resolving it per call.
     handle = [ray.put(tok)]
     settings = dict(text_column=text_column, messages_column=messages_column, kind=kind, add_bos=add_bos,
                     max_position_embeddings=max_position_embeddings, truncation=truncation, pad_id=pad_id)
     if concurrency is None:
         return dataset.map_batches(_tokenize_and_pack_batch, batch_size=batch_size, batch_format="pyarrow",
-                                   num_cpus=num_cpus, fn_kwargs=dict(handle=handle, seq_len=seq_len, **settings))
+                                   num_cpus=num_cpus, concurrency=TOKENIZING_TASKS,
+                                   fn_kwargs=dict(handle=handle, seq_len=seq_len, **settings))
     if isinstance(concurrency, tuple):
         compute = ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
     else:
@@ -171,18 +174,21 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
         fn_constructor_args=(handle, seq_len), fn_constructor_kwargs=settings)
 
 
-# The tokenizing callable per tokenizer in the object store, kept by the pooled worker process that runs the
-# tasks: loaded at its first batch, not at every batch. A few, for the datasets of the runs this process serves.
-_WORKER_TOKENIZERS: dict = {}
+# Tokenizing tasks of one dataset at once: the tokenizer's own thread pool already spreads a batch over the cores,
+# and each task process holds a tokenizer (an HF one can be 100 MB); the actor pool this replaced was one process.
+TOKENIZING_TASKS = 4
+
+# The tokenizing callable of the last tokenizer in the object store that this pooled worker process used: loaded at
+# its first batch, not at every batch. One: a process kept a copy per dataset (train, eval, each run's) for good.
+_worker_tokenizer: dict = {}
 
 
 def _tokenize_and_pack_batch(batch, *, handle, seq_len: int, **settings):
     key = (handle[0].hex(), seq_len, tuple(sorted(settings.items())))
-    step = _WORKER_TOKENIZERS.get(key)
+    step = _worker_tokenizer.get(key)
     if step is None:
-        if len(_WORKER_TOKENIZERS) >= 4:
-            _WORKER_TOKENIZERS.pop(next(iter(_WORKER_TOKENIZERS)))
-        step = _WORKER_TOKENIZERS[key] = TokenizeAndPack(handle, seq_len, **settings)
+        _worker_tokenizer.clear()
+        step = _worker_tokenizer[key] = TokenizeAndPack(handle, seq_len, **settings)
     return step(batch)
 
 
