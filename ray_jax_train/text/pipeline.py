@@ -163,7 +163,7 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
                     max_position_embeddings=max_position_embeddings, truncation=truncation, pad_id=pad_id)
     if concurrency is None:
         return dataset.map_batches(_tokenize_and_pack_batch, batch_size=batch_size, batch_format="pyarrow",
-                                   num_cpus=num_cpus, concurrency=TOKENIZING_TASKS,
+                                   num_cpus=num_cpus, compute=ray.data.TaskPoolStrategy(size=TOKENIZING_TASKS),
                                    fn_kwargs=dict(handle=handle, seq_len=seq_len, **settings))
     if isinstance(concurrency, tuple):
         compute = ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
