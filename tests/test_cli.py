@@ -792,6 +792,12 @@ def test_the_model_meets_the_mesh_and_its_hf_starting_weights_on_the_driver(tmp_
         assert "rope_theta" not in caplog.text  # said once, when the run is built
         check_hf_init_dir(longer, longer.llama_config())
     assert "with rope_theta=500000.0 (the weights': 10000.0), as set" in caplog.text
+    # 2 heads of 32 hold the same arrays as config.json's 4 of 16: they loaded and computed other logits (a review).
+    with pytest.raises(ConfigError, match=r"model.init_from: .* splits attention into other heads .*"
+                                          r"num_attention_heads=2 \(the weights': 4\), num_key_value_heads=1 .*"
+                                          r"head_dim=32 \(the weights': 16\)"):
+        parse_config({**tiny, "model": {"init_from": str(hf_dir), "num_attention_heads": 2, "num_key_value_heads": 1,
+                                        "head_dim": 32}})
     # A bf16 checkpoint (most are) trains float32 master weights, as through RayDistributedTrainer; asked, bf16.
     bf16_dir = tmp_path / "hf_bf16"
     save_pretrained(create_model(hf.replace(dtype="bfloat16", param_dtype="bfloat16")), bf16_dir)

@@ -166,6 +166,12 @@ def test_each_checkpoint_exports_with_the_config_it_was_trained_with(run, tmp_pa
     export_checkpoint(alone, tmp_path / "alone_out")
     assert load_hf_config(tmp_path / "alone_out") == load_hf_config(tmp_path / "early")
     assert not os.path.isfile(tmp_path / "alone_out" / "tokenizer.json")
+    # A model config given by hand that splits the same arrays into other heads (4 of 8 for 2 of 16): the restore
+    # accepted it and the export computed other logits (a review); the checkpoint's own config refuses it.
+    regrouped = load_hf_config(tmp_path / "early").replace(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"splits attention into other heads .*num_attention_heads=4 \(the "
+                                         r"weights': 2\).*leave model_config out"):
+        export_checkpoint(alone, tmp_path / "regrouped", model_config=regrouped)
     # model/ holds only whole files (they are written aside, then moved in).
     assert sorted(os.listdir(copy / "model")) == sorted(n for n in os.listdir(copy / "model") if not n.startswith("."))
 

@@ -64,6 +64,13 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
         model_config = _read_config(fs, f"{model_files}/config.json", f"{run_dir}/{MODEL_FILES}/config.json")
     else:
         model_config = _config_from(model_config)
+        saved = _checkpoint_hf_config(checkpoint)
+        if isinstance(saved, dict):  # the split into heads has no shape of its own: the restore cannot see it
+            from ray_jax_train.lm.state import FUNCTION_FIELDS, check_weights_fit
+
+            check_weights_fit(_config_from_dict(saved, f"{checkpoint}'s {HF_CONFIG_KEY}"), f"checkpoint {checkpoint}",
+                              model_config, "Export with the model config the checkpoint was saved with (leave "
+                              "model_config out: the checkpoint records it).", chosen=FUNCTION_FIELDS)
 
     model = _restore_model(checkpoint, model_config)
     with storage.local_dir_for(os.fspath(out_dir)) as local:

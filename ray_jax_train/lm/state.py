@@ -192,6 +192,9 @@ def is_hf_model_dir(path: str) -> bool:
 
 # Fields that change what the weights compute without changing their shapes: a mismatch loads fine and is wrong.
 FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps", "sliding_window")
+# How the projections split into heads: 4 heads of 64 and 2 of 128 hold the same arrays, so only these tell them
+# apart. Never a choice: weights read with another split compute other attention.
+HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 def check_hf_dir_fits(path: str, config: LlamaConfig, fix: str, **kwargs) -> None:
@@ -239,6 +242,14 @@ def check_weights_fit(theirs: LlamaConfig, where: str, config: LlamaConfig, fix:
     rope_theta for a longer context) are only said (`warn`); others are refused, `chosen_how` naming how to set
     them."""
     check_params_match(abstract_params(theirs)[1], abstract_params(config)[1], where, fix)
+    heads = [(k, getattr(theirs, k), getattr(config, k)) for k in HEAD_FIELDS
+             if getattr(theirs, k) != getattr(config, k)]
+    if heads:
+        raise ValueError(
+            f"The {where} splits attention into other heads than the model to be built: "
+            + ", ".join(f"{k}={ours!r} (the weights': {t!r})" for k, t, ours in heads)
+            + ". The arrays have the same shapes, so they would load and compute other logits, silently. "
+            + fix)
 
     def listed(items) -> str:
         return ", ".join(f"{k}={ours!r} (the weights': {t!r})" for k, t, ours in items)
