@@ -42,6 +42,29 @@ def test_pack_first_fit_backfills_earlier_row_and_uses_pad_id():
     np.testing.assert_array_equal(out["positions"], [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 0]])
 
 
+def test_packing_refuses_ids_and_masks_a_cast_would_change():
+    """Masks weigh the loss and ids land in int32 rows: an HF labels array as the mask gave a negative loss over
+    a negative token count; floats, ids past int32 and 2-D documents were truncated, wrapped or flattened."""
+    with pytest.raises(ValueError, match=r"document 0: label mask values must be 0 or 1 .*\[-100, 2, 7, 8\].*"
+                                         r"labels != -100"):
+        pack_documents([[1, 5, 6, 7, 8, EOS]], 8, label_masks=[[-100, -100, -100, 7, 8, EOS]])
+    with pytest.raises(ValueError, match="document 1: token ids must be integers, got float64"):
+        pack_documents([[1, EOS], [5.7, 6.2, EOS]], 8)
+    with pytest.raises(ValueError, match=f"document 0: token id {2**31 + 5} is outside 0..{2**31 - 1}"):
+        pack_documents([[2**31 + 5, 6, EOS]], 8)
+    with pytest.raises(ValueError, match="document 0: token id -1 is outside"):
+        pack_documents([[-1, 6, EOS]], 8)
+    with pytest.raises(ValueError, match=r"document 0: token ids must be a flat sequence, got .* shape \(2, 2\)"):
+        pack_documents([[[1, 2], [3, EOS]]], 8)
+    with pytest.raises(ValueError, match="document 0: label mask has 2 entries in shape"):
+        pack_documents([[1, 2, EOS]], 8, label_masks=[[1, 1]])
+    # What is meant still packs: bool masks, numpy ids of any integer type, empty documents.
+    out = pack_documents([np.array([1, 2, EOS], dtype=np.uint16), []], 4,
+                         label_masks=[np.array([True, False, True]), []])
+    np.testing.assert_array_equal(out["loss_mask"], [[0, 1, 0, 0]])
+    np.testing.assert_array_equal(out["input_ids"], [[1, 2, EOS, 0]])
+
+
 def test_long_document_splits_with_continuing_positions():
     doc = list(range(10, 20)) + [EOS]  # 11 tokens, seq_len 4: rows of 4, 4, then the 3-token remainder
     out = pack_documents([doc], 4)
@@ -683,6 +706,10 @@ def test_lm_rows_that_would_train_padding_or_overflow_the_vocabulary_are_refused
                            vocab_size=64)
     masked_out = dict(row, targets=np.where(row["loss_mask"] == 0, -100, row["targets"]))  # HF's ignore index
     assert len(prepare_lm_dataset([masked_out] * 3, None, args, vocab_size=8)[0].take_all()) == 3
+    # HF's labels as the mask: the loss is weighed by it (it trained a negative loss over negative token counts).
+    labels_as_mask = dict(row, loss_mask=np.where(row["loss_mask"] == 0, -100, row["targets"]))
+    with pytest.raises(ValueError, match=r"loss_mask values \[-100, 2, 6, 7\]; it must be 0 or 1"):
+        prepare_lm_dataset([labels_as_mask], None, args, vocab_size=8)
     # A bad row after the first, which the driver never reads: found as Ray Data reads it, before any step.
     late = dict(row, targets=np.where(row["loss_mask"] == 1, 8, row["targets"]))
     import ray.data

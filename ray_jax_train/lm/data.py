@@ -223,6 +223,7 @@ def _check_padding_segment(row: Dict[str, Any], what: str) -> None:
 
     if "segment_ids" not in row:
         return
+    _mask_of(row, what)  # first: Hugging Face's -100 labels as the mask would read as trained padding
     trained_padding = (np.asarray(row["segment_ids"]) == 0) & (np.asarray(row["loss_mask"]) != 0)
     if trained_padding.any():
         raise ValueError(f"{what}: a row has loss_mask 1 where segment_ids is 0, which marks padding; number the "
@@ -297,10 +298,26 @@ def _flat(column) -> np.ndarray:
     return column.ravel()
 
 
+def _mask_of(rows: Dict[str, Any], what: str) -> np.ndarray:
+    """`rows`' loss_mask values, flat, refused unless 0/1."""
+    import numpy as np
+
+    mask = _flat(rows["loss_mask"])
+    if mask.size and not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"{what}: a pre-tokenised row has loss_mask values "
+                         f"{sorted(set(np.unique(mask).tolist()) - {0, 1})[:5]}; it must be 0 or 1 (1: the token's "
+                         "target is trained). From Hugging Face labels: targets = the labels shifted left by one, "
+                         "loss_mask = (targets != -100).")
+    return mask
+
+
 def _ids_in_vocabulary(rows: Dict[str, Any], vocab_size: int, what: str) -> Dict[str, Any]:
-    """`rows` (one row or a numpy batch), unchanged, once their ids are known to have rows in the embedding."""
+    """`rows` (one row or a numpy batch), unchanged, once their ids are known to have rows in the embedding and
+    their loss_mask to be 0/1 (the loss weighs tokens by it: Hugging Face's -100 labels there trained a negative
+    loss over a negative token count)."""
+    mask = _mask_of(rows, what)
     ids = _flat(rows["input_ids"])
-    targets = _flat(rows["targets"])[_flat(rows["loss_mask"]) != 0]  # masked targets are never read
+    targets = _flat(rows["targets"])[mask != 0]  # masked targets are never read
     for name, values in (("input_ids", ids), ("targets", targets)):
         if values.size and (values.min() < 0 or values.max() >= vocab_size):
             raise ValueError(f"{what}: a pre-tokenised row has {name} from {values.min()} to {values.max()}, "

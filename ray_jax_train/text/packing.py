@@ -71,6 +71,34 @@ def _place(rows_fill: list[int], open_rows: list[int], n: int, seq_len: int) -> 
     return row
 
 
+def _token_ids(doc, i: int) -> np.ndarray:
+    """Document ``i`` as int64 ids, refused where a cast would change them: floats were truncated (5.7 -> 5), ids
+    past int32 wrapped negative in the int32 rows, and a 2-D document was flattened into one (a review)."""
+    tokens = np.asarray(doc)
+    if tokens.ndim != 1:
+        raise ValueError(f"document {i}: token ids must be a flat sequence, got an array of shape {tokens.shape}")
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise ValueError(f"document {i}: token ids must be integers, got {tokens.dtype} (e.g. {tokens[0]!r})")
+    tokens = tokens.astype(np.int64)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+        bad = tokens[(tokens < 0) | (tokens > np.iinfo(np.int32).max)][0]
+        raise ValueError(f"document {i}: token id {bad} is outside 0..{np.iinfo(np.int32).max}")
+    return tokens
+
+
+def _label_mask(mask, i: int, n: int) -> np.ndarray:
+    """Document ``i``'s label mask as 0/1: the loss weighs tokens by it, so Hugging Face's labels (-100 for no
+    target) passed here summed to a negative loss over a negative token count (a review)."""
+    mask = np.asarray(mask)
+    if mask.ndim != 1 or len(mask) != n:
+        raise ValueError(f"document {i}: label mask has {mask.size} entries in shape {mask.shape} for {n} tokens")
+    if mask.size and not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"document {i}: label mask values must be 0 or 1 (1: the token is a training target), got "
+                         f"{sorted(set(np.unique(mask).tolist()) - {0, 1})[:5]}; for Hugging Face labels pass "
+                         "(labels != -100)")
+    return mask.astype(np.int32)
+
+
 def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *,
                    label_masks: Sequence[Sequence[int]] | None = None, pad_id: int = 0,
                    max_position_embeddings: int | None = None,
@@ -90,13 +118,11 @@ def pack_documents(documents: Sequence[Sequence[int]], seq_len: int, *,
     rows_fill: list[int] = []
     open_rows: list[int] = []
     for i, doc in enumerate(documents):
-        tokens = np.asarray(doc, dtype=np.int64).reshape(-1)
+        tokens = _token_ids(doc, i)
         if label_masks is None:
             mask = np.ones(len(tokens), dtype=np.int32)
         else:
-            mask = np.asarray(label_masks[i], dtype=np.int32).reshape(-1)
-            if len(mask) != len(tokens):
-                raise ValueError(f"document {i}: label mask has {len(mask)} entries for {len(tokens)} tokens")
+            mask = _label_mask(label_masks[i], i, len(tokens))
         for tokens, mask in limit_document(tokens, mask, index=i, truncation=truncation,
                                            max_position_embeddings=max_position_embeddings):
             if len(tokens) < 2:
