@@ -334,6 +334,13 @@ def test_process_sample_data_padding_and_truncation(tokenizer):
         process_sample_data(tokenizer, "hello world", 2, truncation=False)
     with pytest.raises(MissingColumnError, match=r"\['prompt'\]"):
         process_sample_data(tokenizer, {"prompt": "hi"}, 8)
+    # A text row of a file mixing text and chat rows (its conversation null or empty) is text, as the packed
+    # pipeline reads it: None failed in a TypeError, [] gave an empty chat and dropped the text (a review).
+    for no_chat in (None, []):
+        row = process_sample_data(tokenizer, {"text": "hello world", "messages": no_chat}, n + 3, "right")
+        assert row["input_ids"].tolist() == right["input_ids"].tolist()
+    with pytest.raises(MissingColumnError, match="no text column 'text' and an empty messages column 'messages'"):
+        process_sample_data(tokenizer, {"messages": []}, 8)
 
 
 def test_process_messages_data(tokenizer):
@@ -345,6 +352,14 @@ def test_process_messages_data(tokenizer):
     assert real[0] == tokenizer.bos_token_id and out["attention_mask"][0] == 0
     full = process_sample_data(tokenizer, {"messages": CHAT}, 64, "right")
     assert full["input_ids"][full["attention_mask"] == 1].tolist() == encode_chats(tokenizer, [CHAT])[0][0].tolist()
+    # A prompt needs a template, not the {% generation %} tags that only the training loss mask reads.
+    plain = copy.copy(tokenizer)
+    plain.chat_template = re.sub(r"\{%-? ?(end)?generation ?-?%\}", "", tokenizer.chat_template)
+    assert "generation %" not in plain.chat_template
+    assert process_messages_data(plain, prompt, 64, "left", add_generation_prompt=True)["input_ids"].tolist() == \
+        out["input_ids"].tolist()
+    with pytest.raises(NoChatTemplateError, match="does not mark assistant turns"):
+        process_messages_data(plain, CHAT, 64)
 
 
 def test_extract_column_names_hf_and_dict():

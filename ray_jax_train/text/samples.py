@@ -44,7 +44,8 @@ def process_messages_data(tokenizer, messages: Sequence[Mapping[str, Any]], max_
     ``add_generation_prompt=True`` ends it with the assistant header, for prompting a model.
     Truncation keeps the end when ``truncation_side`` (default: ``padding_side``) is "left".
     """
-    check_chat_template(tokenizer)
+    # A prompt needs only the template; the loss mask's {% generation %} tags matter for training data alone.
+    check_chat_template(tokenizer, assistant_mask=not add_generation_prompt)
     if add_generation_prompt:
         ids = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=True, return_dict=True,
                                             add_generation_prompt=True)["input_ids"]
@@ -63,12 +64,17 @@ def process_sample_data(tokenizer, sample: str | Mapping[str, Any], max_length: 
     column goes through ``process_messages_data``.
     """
     if isinstance(sample, Mapping):
-        if messages_column in sample:
-            return process_messages_data(tokenizer, sample[messages_column], max_length, padding_side,
+        # As the packed pipeline reads a file mixing text and chat rows: a row with no conversation (null or
+        # empty) is text.
+        conversation = sample.get(messages_column)
+        if conversation is not None and not isinstance(conversation, float) and len(conversation):
+            return process_messages_data(tokenizer, conversation, max_length, padding_side,
                                          truncation=truncation, truncation_side=truncation_side)
         if text_column not in sample:
-            raise MissingColumnError(f"the sample has neither a text column {text_column!r} nor a messages "
-                                     f"column {messages_column!r}; its keys are {list(sample)}")
+            empty = f"an empty messages column {messages_column!r}" if messages_column in sample else \
+                f"no messages column {messages_column!r}"
+            raise MissingColumnError(f"the sample has no text column {text_column!r} and {empty}; its keys are "
+                                     f"{list(sample)}")
         sample = sample[text_column]
     ids = list(encode_texts(tokenizer, [sample], add_bos=add_bos)[0])
     if not add_eos:

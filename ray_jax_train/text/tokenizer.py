@@ -152,8 +152,9 @@ def ensure_pad_token(tokenizer):
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def check_chat_template(tokenizer) -> None:
-    """Raise ``NoChatTemplateError`` unless the tokenizer can render messages with an assistant mask."""
+def check_chat_template(tokenizer, *, assistant_mask: bool = True) -> None:
+    """Raise ``NoChatTemplateError`` unless the tokenizer can render messages, with an assistant mask unless
+    ``assistant_mask=False`` (a prompt to continue needs none)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise NoChatTemplateError(
@@ -162,6 +163,8 @@ def check_chat_template(tokenizer) -> None:
             "ray_jax_train.text.DEFAULT_CHAT_TEMPLATE (and add that template's role tokens), and save_pretrained(dir) "
             "(the CLI's tokenizer.path then reads it); or train one with ray_jax_train.text.train_tokenizer (the "
             "CLI does when tokenizer.path is not set); or give a text column instead.")
+    if not assistant_mask:
+        return
     templates = template.values() if isinstance(template, dict) else [template]
     # The tag itself, not the word: nearly every chat template mentions `add_generation_prompt`.
     if not any(_GENERATION_TAG.search(t) for t in templates):
