@@ -266,6 +266,15 @@ def test_chat_content_that_would_become_control_tokens_or_cannot_render_is_a_cle
     # A tool-call message with no content: named as a data problem, not a bare Jinja UndefinedError.
     with pytest.raises(TextDataError, match="could not render.*string 'content'"):
         encode_chats(tokenizer, [[CHAT[0], {"role": "assistant", "content": None, "tool_calls": "f()"}]])
+    # OpenAI's content parts and a number as content: named, with the message (were bare TypeErrors, a review).
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, CHAT[2]]
+    with pytest.raises(TextDataError, match=r"Message 0 \(role 'user'\) has a list as its content .*content parts.*"
+                                            r"join their text into one string"):
+        encode_chats(tokenizer, [parts])
+    with pytest.raises(TextDataError, match=r"Message 1 \(role 'assistant'\) has a int as its content \(5\)"):
+        encode_chats(tokenizer, [[CHAT[1], {"role": "assistant", "content": 5}]])
+    with pytest.raises(TextDataError, match="got one conversation .* wrap it in a list"):
+        encode_chats(tokenizer, CHAT)
     assert len(encode_chats(tokenizer, [CHAT])[0]) == 1  # "<|" alone, in ordinary text, is fine
 
 
@@ -576,6 +585,13 @@ def test_end_to_end_chat_from_hf_dataset_with_saved_tokenizer(ray_cluster, token
     # turn trains its end: no warning (its last trained token is the newline, the next one a special header).
     text = warned_with("{% generation %}{{ message['content'] + eos_token + '\\n' }}{% endgeneration %}", "tok_chatml")
     assert "outside its {% generation %} block" not in text, text
+    assert "fewer spans for the loss than there are assistant turns" not in text, text
+    # Only the last answer tagged: the earlier ones trained nothing, and only a conversation with no token marked
+    # at all was refused (a review); said on the driver.
+    text = warned_with("{% if loop.last %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+                       "{% else %}{{ message['content'] + eos_token }}{% endif %}", "tok_last")
+    assert "In 1 of the first 2 conversations the chat template marks fewer spans for the loss than there are " \
+           "assistant turns" in text, text
     r = rows[0]
     assistant = [tokenizer(m["content"])["input_ids"] + [tokenizer.eos_token_id]
                  for c in convs for m in c if m["role"] == "assistant"]

@@ -93,6 +93,20 @@ def check_roles(tokenizer, conversations) -> None:
                 f"{f' ({role!r} -> {hint!r})' if hint else ''} before training, e.g. with dataset.map.")
 
 
+def _unusual_content(conversations) -> str:
+    """What to fix where a template failed: the first message whose content is not a string, its usual cause."""
+    for conv in conversations:
+        for i, message in enumerate(conv):
+            content = message.get("content")
+            if content is not None and not isinstance(content, str):
+                parts = (" (content parts, as OpenAI lays them out: join their text into one string)"
+                         if isinstance(content, (list, tuple)) else "")
+                return (f"Message {i} (role {message.get('role')!r}) has a {type(content).__name__} as its content "
+                        f"({content!r:.80}){parts}; the default template reads a string 'content'.")
+    return ("Check that every message has the fields the template reads (the default one reads 'role' and a string "
+            "'content').")
+
+
 def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]],
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Render each conversation with the chat template; label mask = the assistant-token mask.
@@ -105,16 +119,18 @@ def encode_chats(tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]]
     docs, masks = [], []
     if not conversations:
         return docs, masks
+    if isinstance(conversations[0], Mapping) and "role" in conversations[0]:
+        raise TextDataError("encode_chats takes a list of conversations, each a list of messages; it got one "
+                            "conversation (its first item is a message): wrap it in a list.")
     convs = [[_clean_message(m) for m in conv] for conv in conversations]
     check_roles(tokenizer, convs)
     _check_no_special_token_text(tokenizer, convs)
     try:
         out = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-    except jinja2.TemplateError as exc:  # e.g. a tool-call message with no content: say which data, not Jinja
-        raise TextDataError(f"the chat template could not render a conversation of this batch ({exc}); check that "
-                            "every message has the fields the template reads (the default one reads 'role' and a "
-                            "string 'content').") from exc
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:  # e.g. a tool call with no content, content parts
+        raise TextDataError(f"the chat template could not render a conversation of this batch "
+                            f"({type(exc).__name__}: {exc}). {_unusual_content(convs)}") from exc
     for conv, ids, mask in zip(convs, out["input_ids"], out["assistant_masks"]):
         ids = np.asarray(ids, dtype=np.int64)
         mask = np.asarray(mask, dtype=np.int32)

@@ -278,6 +278,7 @@ def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: 
                     "answer their prompts by ending its turn at once. Drop those turns or fill them.",
                     empty, len(conversations))
     docs, masks = encode_chats(tokenizer, conversations)
+    _warn_if_turns_are_not_marked(conversations, masks, log)
     _warn_if_turn_ends_are_not_trained(tokenizer, docs, masks, log)
     lengths = [len(doc) for doc in docs]
     long = [n for n in lengths if n > seq_len]
@@ -287,6 +288,23 @@ def _warn_about_sampled_conversations(dataset, tokenizer, seq_len: int, column: 
             "split into rows trained apart, and an answer past a cut no longer sees its question. Raise "
             "training.max_sequence_length (up to the model's max_position_embeddings), or shorten or drop the long "
             "conversations.", len(long), len(lengths), seq_len, max(long))
+
+
+def _warn_if_turns_are_not_marked(conversations, masks, log) -> None:
+    """A template that wraps only some assistant turns in {% generation %} (the last, say) leaves the others'
+    answers out of the loss; encode_chats refuses only a conversation with no token marked at all (a review). Each
+    marked turn is a run of ones in the mask, and the turn headers between runs are never marked."""
+    short = 0
+    for conv, mask in zip(conversations, masks):
+        turns = sum(isinstance(m, Mapping) and m.get("role") == "assistant"
+                    and bool(str(m.get("content") or "").strip()) for m in conv)
+        runs = int((np.diff(np.concatenate([[0], mask, [0]])) == 1).sum())
+        short += runs < turns
+    if short:
+        log.warning("In %d of the first %d conversations the chat template marks fewer spans for the loss than there "
+                    "are assistant turns: its {%% generation %%} tags surround only some of them (the last turn, say), "
+                    "and the other answers train nothing. If that is not meant, wrap every assistant turn's content "
+                    "in the tags (see DEFAULT_CHAT_TEMPLATE).", short, len(conversations))
 
 
 def _warn_if_turn_ends_are_not_trained(tokenizer, docs, masks, log) -> None:
