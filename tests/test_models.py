@@ -1,5 +1,6 @@
 """Parity of the NNX Llama-family model with transformers (PyTorch, CPU, float32) and HF checkpoint I/O."""
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -257,6 +258,16 @@ def test_from_pretrained_errors(tmp_path, hf_dirs):
     (noweights / "config.json").write_text((hf_dirs["mistral"][1] / "config.json").read_text())
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         from_pretrained(noweights)
+    # Damaged files (a copy cut short): named with the fix, not a bare JSONDecodeError, KeyError or SafetensorError.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf_dirs["mistral"][1], damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file .*Copy the directory"):
+        from_pretrained(damaged)
+    (damaged / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index.json is damaged: .*KeyError: 'weight_map'"):
+        from_pretrained(damaged)
 
 
 def test_create_model_initialises_from_seed():

@@ -103,9 +103,13 @@ def generation_eos_ids(path: PathLike) -> list[int]:
 def _weight_files(path: Path) -> list[Path]:
     index = path / _INDEX
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted({path / name for name in weight_map.values()})
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted({path / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is damaged: not a JSON object with a 'weight_map' of tensor name to shard "
+                             f"file ({type(exc).__name__}: {exc}). Copy the directory again from its source.") from None
         missing = [str(p) for p in files if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shard files that do not exist: {missing}")
@@ -118,6 +122,17 @@ def _weight_files(path: Path) -> list[Path]:
         return files
     hint = " (found PyTorch .bin weights; convert them to safetensors first)" if list(path.glob("*.bin")) else ""
     raise _not_a_model_dir(path, f"no *.safetensors weights{hint}")
+
+
+def _open_weights(file: Path):
+    """A safetensors file's handle; a damaged one (cut short in a copy, empty) named, not a bare SafetensorError."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="np")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+        raise ValueError(f"{file} is not a readable safetensors file ({type(exc).__name__}: {exc}): damaged or cut "
+                         "short? Copy the directory again from its source.") from None
 
 
 def from_pretrained(path: PathLike, dtype: Any = None, param_dtype: Any = None, *,
@@ -141,10 +156,7 @@ def from_pretrained(path: PathLike, dtype: Any = None, param_dtype: Any = None, 
     if dtype is None and param_dtype is not None:
         config = config.replace(dtype=config.param_dtype)
     files = _weight_files(path)
-
-    from safetensors import safe_open
-
-    handles = [safe_open(str(f), framework="np") for f in files]
+    handles = [_open_weights(f) for f in files]
     where: dict[str, Any] = {}
     for h in handles:
         for k in h.keys():
