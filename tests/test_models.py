@@ -283,6 +283,8 @@ def test_create_model_initialises_from_seed():
     np.testing.assert_array_equal(np.asarray(m1.norm.weight.get_value()), np.ones(32, np.float32))
     out = forward(m1, jnp.zeros((1, 4), jnp.int32))
     assert out.shape == (1, 4, 64) and np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\], got shape \(4,\); .* ids\[None\]"):
+        m1(jnp.zeros(4, jnp.int32))  # was "not enough values to unpack"
 
 
 def test_from_pretrained_places_params_with_given_sharding(hf_dirs):

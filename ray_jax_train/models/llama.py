@@ -400,6 +400,9 @@ class LlamaForCausalLM(nnx.Module):
     skip the padding like HF generation. ``segment_ids`` (0 = padding) makes attention block-diagonal
     for packed rows, and positions restart per segment unless ``positions`` is given.
     ``decode`` runs new tokens against a ``KVCache``, for generation (``ray_jax_train.models.generate``).
+    Ids must lie in [0, vocab_size): the call cannot check them inside jit, and XLA's lookup gives NaN for an id
+    past the table (and through attention, for every position of its row) and the last row for a negative one.
+    The training and generation paths check their ids before they get here.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: Optional[nnx.Rngs] = None):
@@ -419,6 +422,9 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, attention_mask: Optional[jax.Array] = None, *,
                  positions: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}; for one sequence "
+                             "pass ids[None]")
         b, s = input_ids.shape
         if positions is None:
             if segment_ids is not None:
