@@ -117,6 +117,31 @@ def smooth(values: Sequence[float], weight: float) -> List[float]:
     return out
 
 
+def _image_path(output: Optional[str], default: str) -> str:
+    """The file savefig will write: it adds ".png" to a name without a suffix (so "-o adir" on a directory wrote
+    adir.png beside it, and the path printed was not the file's; a CLI review). A directory gets the default's
+    name in it; a suffix matplotlib cannot write is refused before drawing is wasted on it."""
+    from ray_jax_train.storage import is_uri
+
+    if not output:
+        return default
+    if not is_uri(output) and os.path.isdir(output):
+        return os.path.join(output, os.path.basename(default))
+    suffix = os.path.splitext(output.rstrip("/").rsplit("/", 1)[-1])[1].lstrip(".").lower()
+    if not suffix:
+        return output + ".png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise ValueError(f"{output}: matplotlib cannot write .{suffix} images; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (or no suffix: .png)")
+    return output
+
+
 def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6, title: Optional[str] = None) -> str:
     """Write a PNG of the run's curves (default `<run_dir>/curves.png`) and return its path."""
     from ray_jax_train.storage import is_uri, join
@@ -128,7 +153,7 @@ def plot_run(run_dir: str, output: Optional[str] = None, smoothing: float = 0.6,
                       title or os.path.basename(os.path.normpath(run_dir)), where=run_dir)
     head, slash, _ = run_dir.rpartition("/")
     base = run_dir if not run_dir.endswith(".jsonl") else (head or slash or ".")  # "/m.jsonl" is in "/"
-    output = output or join(base, "curves.png")
+    output = _image_path(output, join(base, "curves.png"))
     if is_uri(output):  # a run in a bucket: drawn locally, then copied beside its metrics (savefig wrote "gs:/...")
         from ray_jax_train.storage import local_dir_for
 
@@ -212,7 +237,7 @@ def plot_search(search_dir: str, output: Optional[str] = None, smoothing: float 
         ax.legend(loc="best", fontsize=7)
     fig.suptitle(f"{os.path.basename(os.path.normpath(search_dir))}: {len(runs)} trials", fontsize=11)
     fig.tight_layout()
-    output = output or os.path.join(search_dir, "trials.png")
+    output = _image_path(output, os.path.join(search_dir, "trials.png"))
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output

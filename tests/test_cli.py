@@ -466,6 +466,14 @@ def test_plot_draws_one_labelled_panel_per_metric(tmp_path, capsys, monkeypatch)
     image = matplotlib.image.imread(out.strip())
     assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side
     assert run(["plot", str(tmp_path), "--smoothing", "1.5"], capsys)[0] == 2
+    # -o without a suffix, or naming a directory: the path printed is the file written (savefig added ".png" to
+    # both, so "-o out" printed "out" and "-o adir" wrote adir.png beside the directory; a CLI review).
+    (tmp_path / "adir").mkdir()
+    for given, written in (("out", "out.png"), ("adir", "adir/curves.png"), ("c.svg", "c.svg")):
+        code, out, _ = run(["plot", str(tmp_path), "-o", str(tmp_path / given)], capsys)
+        assert code == 0 and out.strip() == str(tmp_path / written) and (tmp_path / written).is_file(), out
+    code, _, err = run(["plot", str(tmp_path), "-o", str(tmp_path / "c.xyz")], capsys)
+    assert code == 2 and "cannot write .xyz images" in err and not (tmp_path / "c.xyz").exists()
     # A run in storage given as a URI: its curves go beside its metrics there (savefig took the URI for a local path).
     (tmp_path / "curves.png").unlink()
     code, out, _ = run(["plot", f"file://{tmp_path}"], capsys)

@@ -110,6 +110,11 @@ def test_export_says_what_it_needs(run, tmp_path, capsys):
     (base / "generation_config.json").write_text("{}")  # the earlier model's; this run has its own
     assert main(["export", run_dir, str(base), "--overwrite"]) == 0
     assert _params(base).keys() == _params(os.path.join(run_dir, "final_model")).keys()
+    # A dtype that cannot be refused before anything is written: the tokenizer's files were, and the retry with a
+    # good one was refused for them (a CLI review).
+    assert main(["export", run_dir, str(tmp_path / "int8"), "--dtype", "int8"]) == 2
+    assert "int8" in capsys.readouterr().err and not os.path.exists(tmp_path / "int8")
+    assert main(["export", run_dir, str(tmp_path / "int8"), "--dtype", "bfloat16"]) == 0
     assert rjt.generation_eos_ids(base) == [2, 3]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_checkpoint(tmp_path / "nothing", tmp_path / "out")

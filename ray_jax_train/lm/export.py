@@ -46,6 +46,10 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
     from ray_jax_train.checkpoint.core import checkpoint_text
 
     _refuse_a_full_dir(os.fspath(out_dir), overwrite)
+    if dtype is not None:  # before anything is written: a refused dtype left files that refused the retry
+        from ray_jax_train.config import canonical_dtype
+
+        dtype = canonical_dtype(dtype)
     checkpoint, run_dir = _resolve(checkpoint_text(source))  # `result.checkpoint` too, as `restore` takes it
     fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
