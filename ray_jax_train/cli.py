@@ -311,18 +311,27 @@ def _refuse_starting_over_beside_checkpoints(config) -> None:
         f"the new run another run.name, or move {run_dir} away first; or leave resume_if_possible on to resume it.")
 
 
-def _check_storage_usable(path: str) -> None:
+def _check_storage_usable(path: str, make: bool = True) -> None:
     """A local run.storage_path is made now, on the driver, before Ray starts: a file there, or a directory this user
-    may not create, failed seconds later inside Ray naming neither the key nor the fix."""
+    may not create, failed seconds later inside Ray naming neither the key nor the fix. `make=False` (`config
+    validate`, which writes nothing) looks instead: a file in the way, or no right to create it."""
     from ray_jax_train.run_config import ConfigError
     from ray_jax_train.storage import in_ray_package_cache, is_uri
 
     if is_uri(path) or in_ray_package_cache(path):  # a job's copy: refused or warned once Ray is up, unwritten
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"run.storage_path: {path} is a file; runs are directories under it. Set run.storage_path "
-                          "to a directory (made if missing), or a gs:// / s3:// URI.")
+    blocked = path
+    while not os.path.exists(blocked) and os.path.dirname(blocked) != blocked:
+        blocked = os.path.dirname(blocked)
+    if not os.path.isdir(blocked):
+        raise ConfigError(f"run.storage_path: {blocked} is a file; runs are directories under "
+                          f"{'it' if blocked == path else path}. Set run.storage_path to a directory (made if "
+                          "missing), or a gs:// / s3:// URI.")
     try:
+        if not make:
+            if not os.access(blocked, os.W_OK | os.X_OK):
+                raise PermissionError(f"{blocked} is not writable by this user")
+            return
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"run.storage_path: {path} cannot be made here ({exc.strerror or exc}). Set "
@@ -353,6 +362,9 @@ def cmd_fit(args) -> int:
                                           load_config, read_error)
 
     config = load_config(args.config, args.overrides)
+    if config.tune is not None:  # the search's values were not used, and nothing said so (a CLI review)
+        print(f"ray-jax-train: warning: {args.config} has a tune section, which fit does not read: this trains once "
+              "with the config's own values. For the search: ray-jax-train tune CONFIG", file=sys.stderr, flush=True)
     check_data_columns(config)  # before Ray starts
     _check_storage_usable(config.with_absolute_paths().run.storage_path)
     _refuse_starting_over_beside_checkpoints(config)
@@ -700,9 +712,13 @@ def cmd_generate(args) -> int:
                          "directory with a final_model/ (a run writes it when training ends; `ray-jax-train export` "
                          "makes one from a checkpoint)")
     tokenizer_dir = args.tokenizer or model_dir
+    if args.tokenizer and not os.path.isdir(tokenizer_dir):
+        raise UsageError(f"--tokenizer {tokenizer_dir}: no such directory; give the directory that holds the "
+                         "tokenizer's files (tokenizer.json, tokenizer_config.json)")
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer_config.json")):
-        raise UsageError(f"{tokenizer_dir} holds no tokenizer (a run saves one beside its final model only when it "
-                         "trained with one); pass --tokenizer DIR")
+        raise UsageError(f"{tokenizer_dir} holds no tokenizer (tokenizer_config.json)" + (
+            "; give --tokenizer the directory with the tokenizer's files" if args.tokenizer else
+            " (a run saves one beside its final model only when it trained with one); pass --tokenizer DIR"))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         text = generate_text(from_pretrained(model_dir), load_tokenizer(tokenizer_dir), prompt,
@@ -771,6 +787,9 @@ def cmd_config(args) -> int:
         sys.stdout.write(dump(config))
     else:
         check_data_columns(config)
+        # What fit and tune refuse before Ray starts, so "valid" means they will not (a CLI review); nothing written.
+        _check_storage_usable(config.with_absolute_paths().run.storage_path, make=False)
+        _refuse_starting_over_beside_checkpoints(config)
         print(f"{args.config}: valid")
     return EXIT_OK
 

@@ -854,7 +854,24 @@ def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back
         code, _, err = run([command, config, "--set", f"run.storage_path={blocked}"], capsys)
         assert code == 2 and f"run.storage_path: {blocked} is a file" in err, err
     code, _, err = run(["fit", TINY, "--set", f"run.storage_path={blocked / 'runs'}"], capsys)
-    assert code == 2 and "cannot be made here (Not a directory)" in err, err
+    assert code == 2 and f"run.storage_path: {blocked} is a file; runs are directories under {blocked / 'runs'}" \
+        in err, err
+    # `config validate` says so too (it said "valid" for what fit refuses; a CLI review), and makes nothing.
+    for storage in (blocked, blocked / "runs"):
+        code, _, err = run(["config", "validate", TINY, "--set", f"run.storage_path={storage}"], capsys)
+        assert code == 2 and f"run.storage_path: {blocked} is a file" in err, err
+    code, out, _ = run(["config", "validate", TINY, "--set", f"run.storage_path={tmp_path / 'new' / 'runs'}"], capsys)
+    assert code == 0 and "valid" in out and not (tmp_path / "new").exists()
+    # fit of a search's config trains once with its own values: said (it was silent; a CLI review).
+    code, _, err = run(["fit", os.path.join(REPO, "examples", "tune_tiny_llama.yaml"), "--set",
+                        f"run.storage_path={blocked}"], capsys)
+    assert code == 2 and "has a tune section, which fit does not read" in err, err
+    # generate --tokenizer naming nothing: said so (it said the directory "holds no tokenizer; pass --tokenizer").
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    code, _, err = run(["generate", str(tmp_path / "model"), "--prompt", "x", "--tokenizer", str(tmp_path / "no")],
+                       capsys)
+    assert code == 2 and f"--tokenizer {tmp_path / 'no'}: no such directory" in err, err
     hint = _resume_hint(SimpleNamespace(config="my config.yaml", overrides=["scaling.mesh={dp: 2}"]), "exp 2")
     assert shlex.split(hint)[2:] == ["my config.yaml", "--set", "scaling.mesh={dp: 2}", "--set", "run.name=exp 2"]
     # As a job's entrypoint (Ray sets this variable there) the resume is a job too: run by hand on the head, the
