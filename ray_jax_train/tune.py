@@ -511,7 +511,8 @@ def best_warning(best, failed: int, trials: int, total_steps: Optional[int]) -> 
         return warning
     if failed:  # the best is of the others: a failed trial (its trial actor lost, say) might have beaten it
         return (f"{failed} of {trials} trials failed, so the best is of the rest; `tune --resume-errored` "
-                "(resume_errored=True) runs them again from their latest checkpoints")
+                "(resume_errored=True) runs them again from their latest checkpoints (a trial whose sampled "
+                "settings were refused, see its error above, fails the same way again)")
     return None
 
 

@@ -98,6 +98,9 @@ def test_a_trial_stopped_early_wins_only_when_none_trained_to_the_end_and_brings
         stopped, 1, 2, 60)
     # A finished best beside a failed trial (its actor lost, say): that one might have won, and nothing said so.
     assert best_warning(result(5.0, 60), 1, 3, 60).startswith("1 of 3 trials failed, so the best is of the rest")
+    # ... and a resume does not mend a trial whose own sampled settings were refused (a CLI review: it advised one).
+    assert "settings were refused, see its error above, fails the same way again" in best_warning(
+        result(5.0, 60), 1, 3, 60)
     assert best_warning(result(5.0, 60), 0, 3, 60) is None
     assert not trained_to_end(stopped, 60)
     finished, better_but_stopped = result(5.0, 60), result(4.0, 30)
