@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -311,6 +312,32 @@ def _refuse_starting_over_beside_checkpoints(config) -> None:
         f"the new run another run.name, or move {run_dir} away first; or leave resume_if_possible on to resume it.")
 
 
+def _check_the_resume_before_ray(config) -> None:
+    """A run that resumes meets its tokenizer and checkpoint here, before Ray starts: a changed
+    tokenizer.vocab_size or model size was refused 12-16 s later, once Ray was up (a CLI review). Only where both
+    are on local disk already (no tokenizer to train first); the trainer's build checks again, and warns, later."""
+    from ray_jax_train.run_config import TOKENIZER_DIR, check_resumed_model, ensure_tokenizer
+    from ray_jax_train.storage import is_uri, join
+
+    if not config.run.name or not config.training.get("resume_if_possible", True):
+        return  # a new run (its name is made now), or one refused above for starting over
+    run_dir = join(config.with_absolute_paths().run.storage_path, config.run.name)
+    saved = os.path.isfile(os.path.join(run_dir, TOKENIZER_DIR, "tokenizer.json"))
+    if is_uri(run_dir) or not (saved or config.tokenizer.path) or not glob.glob(os.path.join(run_dir, "checkpoint_*")):
+        return
+    quiet = [logging.getLogger(name) for name in ("ray_jax_train.run_config", "ray_jax_train.lm.export",
+                                                  "ray_jax_train.lm.state")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # the build's own check says its warnings once Ray is up; errors are raised either way
+        log.setLevel(logging.ERROR)
+    try:
+        tokenizer = ensure_tokenizer(config, join(run_dir, TOKENIZER_DIR), reuse=True)
+        check_resumed_model(run_dir, config.llama_config(tokenizer))
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+
+
 def _check_storage_usable(path: str, make: bool = True) -> None:
     """A local run.storage_path is made now, on the driver, before Ray starts: a file there, or a directory this user
     may not create, failed seconds later inside Ray naming neither the key nor the fix. `make=False` (`config
@@ -368,6 +395,7 @@ def cmd_fit(args) -> int:
     check_data_columns(config)  # before Ray starts
     _check_storage_usable(config.with_absolute_paths().run.storage_path)
     _refuse_starting_over_beside_checkpoints(config)
+    _check_the_resume_before_ray(config)
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)

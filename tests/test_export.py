@@ -228,6 +228,28 @@ def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path, cap
         check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))
 
 
+def test_a_cli_resume_with_another_model_is_refused_before_ray_starts(run, capsys, monkeypatch):
+    """`fit` found it 12-16 s in, once Ray was up (a CLI review); the run's tokenizer and checkpoint are on disk,
+    so it is said before Ray starts."""
+    import ray_jax_train.cli as cli
+
+    run_dir, _ = run
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started before the resume was checked")
+
+    monkeypatch.setattr(cli, "_connect", no_ray)
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny_llama.yaml")
+    resume = ["fit", tiny, "--set", f"run.storage_path={os.path.dirname(run_dir)}", "--set",
+              f"run.name={os.path.basename(run_dir)}", "--set", f"tokenizer.path={os.path.join(run_dir, 'model')}",
+              "--set", "model.num_hidden_layers=1"]
+    assert main(resume + ["--set", "model.hidden_size=64", "--set", "model.head_dim=32"]) == 2
+    err = capsys.readouterr().err
+    assert "whose model differs from the one the config builds now (hidden_size 32 -> 64" in err, err
+    with pytest.raises(AssertionError, match="Ray was started"):  # the run's own model passes on to Ray
+        main(resume)
+
+
 def test_a_fit_under_a_used_name_says_it_resumes_and_when_nothing_is_left(run, capsys):
     """It resumed without a word on the driver and, at or past total_steps, 'finished' at once with exit 0 and the
     earlier run's numbers (a user had changed the data and kept the name)."""
