@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 from typing import Iterator
 
 from ray.train.v2._internal.execution.callback import ReportCallback
@@ -62,6 +63,9 @@ def marking_repeated_errors(train_func):
         try:
             return train_func(*args, **kwargs)
         except BaseException as exc:
+            saving = sys.modules.get("ray_jax_train.checkpoint.core")  # not imported: nothing saved here
+            if saving is not None and not isinstance(exc, KeyboardInterrupt):
+                saving.finish_saves_in_flight()
             if repeats_on_retry(exc):
                 try:
                     exc.retry_repeats_it = True  # pickled with the error, which its chain is not

@@ -430,6 +430,47 @@ def test_checkpointer_metadata_that_no_save_could_write_is_refused_at_once():
     assert JaxCheckpointer(handle_preemption=False, metadata={"model": "tiny"}).metadata == {"model": "tiny"}
 
 
+def test_an_error_in_the_loop_first_lets_the_save_in_flight_finish_within_a_limit(monkeypatch, caplog):
+    """A worker's error ended the group while a save that save() had returned from was committing on the others: it
+    was deleted as unfinished and the run resumed from the save before (3 of 5 runs of a 2-worker loop raising on
+    rank 1 right after maybe_save(4), a review; 4 of 4 kept it with this). The worker's wrapper now finishes the
+    save first, bounded by RAY_JAX_TRAIN_SAVE_ON_ERROR_WAIT_S. Here the commit itself is a stand-in (a slow and a
+    stuck one): orbax's commit across processes needs a live group, which the end-to-end runs had."""
+    from ray_jax_train.checkpoint import JaxCheckpointer, core
+    from ray_jax_train.retries import marking_repeated_errors
+
+    def checkpointer_committing(seconds):
+        ckpt = JaxCheckpointer(handle_preemption=False)
+        ckpt._pending = core._PendingSave("checkpoint_000000004_0a1b2c3d", None, 4)
+
+        def finish():  # what _finish_pending does once orbax's commit returns
+            if ckpt._pending.done.wait(seconds):
+                return
+            ckpt._pending.done.set()
+
+        ckpt._finish_pending = finish
+        return ckpt
+
+    slow = checkpointer_committing(0.5)
+
+    def loop():
+        raise RuntimeError("the loop's own error")
+
+    with pytest.raises(RuntimeError, match="the loop's own error"):
+        marking_repeated_errors(loop)()
+    assert slow._pending.done.is_set()  # finished before the error left the worker
+    monkeypatch.setenv(core.SAVE_ON_ERROR_WAIT, "0.3")
+    stuck = checkpointer_committing(3600)  # its peers gone: it never finishes
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="ray_jax_train.checkpoint.core"):
+        with pytest.raises(RuntimeError, match="the loop's own error"):
+            marking_repeated_errors(loop)()
+    assert time.monotonic() - started < 30 and not stuck._pending.done.is_set()
+    assert "with the save of step 4 in flight: waiting up to 0.3 s" in caplog.text
+    assert "did not finish within 0.3 s; the run resumes from an earlier one" in caplog.text
+    stuck._pending.done.set()
+
+
 def test_sigterm_kept_training_saves_once_and_is_never_forced_out(monkeypatch):
     """exit_after_sigterm_save=False: the SIGTERM's checkpoint is saved at the next check, later checks ask for no
     more saves, and neither the grace timer nor the end of training ends the worker. (In this process: the handler

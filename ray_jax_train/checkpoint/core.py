@@ -33,6 +33,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -810,6 +811,46 @@ _ORBAX_DIR = f"{os.sep}orbax{os.sep}"
 _orbax_info_filter = _OrbaxInfoFilter()
 
 
+# This process's checkpointers, for `finish_saves_in_flight` (weakly: a loop's own goes when the loop ends).
+_checkpointers: "weakref.WeakSet[JaxCheckpointer]" = weakref.WeakSet()
+
+SAVE_ON_ERROR_WAIT = "RAY_JAX_TRAIN_SAVE_ON_ERROR_WAIT_S"
+
+
+def finish_saves_in_flight() -> None:
+    """Let this process's asynchronous saves finish before an error it raises ends the worker group.
+
+    An error ends every worker at once, and a save that `save()` had returned from was still committing on the
+    others: it was deleted as unfinished on restart, and the run resumed from the save before (3 runs in 5, a
+    review; TorchTrainer's synchronous report never loses one). Waited for in a thread, at most
+    `RAY_JAX_TRAIN_SAVE_ON_ERROR_WAIT_S` (120 s) in all, since a save whose peers are gone never finishes.
+    """
+    pending = [(c, c._pending) for c in list(_checkpointers) if c._pending is not None and not c._pending.done.is_set()]
+    if not pending:
+        return
+    try:
+        limit = float(os.environ.get(SAVE_ON_ERROR_WAIT, "120"))
+    except ValueError:
+        limit = 120.0
+    logger.warning("An error ends this worker with the save of step %s in flight: waiting up to %g s for it to "
+                   "finish, so the run can resume from it.", ", ".join(str(p.step) for _, p in pending), limit)
+
+    def finish():
+        for checkpointer, save in pending:
+            try:
+                with checkpointer._lock:  # Ray's upload thread may be finishing it already: then this waits
+                    if checkpointer._pending is save:
+                        checkpointer._finish_pending()
+            except BaseException as exc:  # noqa: BLE001 - the loop's own error is the one to raise
+                logger.warning("The save of step %d did not finish: %s", save.step, exc)
+
+    waiter = threading.Thread(target=finish, name="ray_jax_train-finish-saves", daemon=True)
+    waiter.start()
+    waiter.join(limit)
+    if waiter.is_alive():
+        logger.warning("The save in flight did not finish within %g s; the run resumes from an earlier one.", limit)
+
+
 class JaxCheckpointer:
     """Saves and restores the whole train state from inside a `JaxTrainer` loop.
 
@@ -889,6 +930,7 @@ class JaxCheckpointer:
         if handle_preemption:
             signals.install_sigterm_handler(sigterm_grace_s)
         _orbax_info_filter.install(not orbax_info_logs)
+        _checkpointers.add(self)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -974,6 +1016,10 @@ class JaxCheckpointer:
                 if _sync.process_index() == 0:
                     values = combine_checksums([json.loads(s) for s in shares])
                     _write_json(pending.location, CHECKSUMS_FILE, {"paths": pending.paths, "values": values})
+                # Done on every process only once process 0 has written them: a worker that then raises, ending
+                # the group, leaves a complete save behind (one a restart adopts), not one without its checksums.
+                _sync.allgather("checksums_written", "", key=f"checksums_written/{pending.name}",
+                                timeout_ms=self._timeout_ms)
         except BaseException as exc:
             pending.error = exc
             raise
