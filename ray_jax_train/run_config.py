@@ -329,6 +329,13 @@ class ExperimentConfig(_Section):
                               "cannot be; fix the model section")
         if self.tune is not None:
             self._check_tune_metric()
+            # Before anything reads the searched values (trial_lengths): a malformed entry was a traceback there.
+            for key, spec in self.tune.param_space.items():
+                try:
+                    check_tunable(key)
+                    _check_search_space(key, spec)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
             _, by_epochs = trial_lengths(args.total_steps, self.tune.param_space)
             if by_epochs and self.tune.scheduler.type == "asha" and self.tune.scheduler.max_t is None:
                 raise ConfigError("tune.scheduler.max_t: set it (in optimizer steps) when training.total_steps is "
@@ -372,12 +379,6 @@ class ExperimentConfig(_Section):
             check_hf_init_dir(self, model, warn=False)
             check_hf_init_tokenizer(self)
         if self.tune is not None:
-            for key, spec in self.tune.param_space.items():
-                try:
-                    check_tunable(key)
-                    _check_search_space(key, spec)
-                except ValueError as exc:
-                    raise ConfigError(str(exc)) from None
             shuffled = self.training.get("shuffle_buffer_size") or "training.shuffle_buffer_size" in self.tune.param_space
             if "training.seed" in self.tune.param_space and not shuffled:
                 raise ConfigError("tune.param_space: training.seed seeds only the shuffle buffer, which is off "
@@ -485,7 +486,8 @@ class ExperimentConfig(_Section):
                 for item in zip(keys, combination):
                     failures.setdefault(item, str(exc))
                 grid_failures.setdefault(grid_point, str(exc))
-        for (key, index), error in failures.items():
+        # Where no combination passes, every key's values failed: blame first a key the error itself names.
+        for (key, index), error in sorted(failures.items(), key=lambda item: item[0][0] not in item[1]):
             if (key, index) not in passed:
                 value = candidates[key][index]
                 hint = ("\n  A list is one value here; search its items with {grid_search: [...]} (each one) or "
@@ -1242,8 +1244,9 @@ def trial_lengths(base_steps: Optional[int], param_space: Dict[str, Any]) -> Tup
     for a length the driver cannot know): from the base's `training.total_steps` or the searched values."""
     spec = param_space.get("training.total_steps")
     values = [base_steps] if spec is None else search_candidates(spec)
-    steps = [int(v) for v in values if v is not None]
-    return max(steps, default=0), len(steps) < len(values)
+    # Values that are no number of steps (a string, a list) are not lengths: the trial-values check names them.
+    steps = [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return max(steps, default=0), None in values
 
 
 TOKENIZER_REQUEST = "ray_jax_train_request.json"  # beside a trained tokenizer: the settings it was trained for

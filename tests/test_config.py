@@ -345,3 +345,27 @@ def test_a_yaml_number_with_a_leading_zero_is_refused_not_read_as_octal(tmp_path
         apply_overrides({}, ["scaling.mesh={dp: 2, dp: 4}"])
     path.write_text("training:\n  total_steps: 12\n  batch_size: 0x10\n")
     assert read_file(str(path))["training"] == {"total_steps": 12, "batch_size": 16}
+
+
+def _example(name):
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "examples", name)) as f:
+        return yaml.safe_load(f)
+
+
+def test_a_malformed_searched_total_steps_is_a_config_error_not_a_traceback():
+    """trial_lengths read training.total_steps' search space before it was checked: {} was a StopIteration,
+    {uniform: 5} a TypeError, {randint: [3]} an IndexError, a string an int() ValueError (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    base = _example("tune_tiny_llama.yaml")
+    cases = {"{}": r"\{\} is not a search space; use one of", "{uniform: 5}": r"uniform: expected a non-empty list",
+             "{randint: [3]}": r"randint: expected \[low, high\], got \[3\]",
+             "{choice: 5}": r"choice: expected a non-empty list",
+             "{choice: [a, b]}": r"(?s)training\.total_steps: trials given 'a' would fail: .*got 'a'",
+             "abc": r"training\.total_steps: trials given 'abc' would fail"}
+    for value, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_config(apply_overrides(base, [f"tune.param_space.training.total_steps={value}"]))
