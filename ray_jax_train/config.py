@@ -105,7 +105,9 @@ def _to_jnp(name: str):
 
 class _Base(BaseModel):
     # frozen: configs are hashable (usable as jit static args) and cannot drift after validation.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+    # allow_inf_nan: inf and NaN passed every bound (rope_theta=inf trained without rope, and was exported).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=(),
+                              allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
     def __hash__(self) -> int:

@@ -78,7 +78,8 @@ _UNTUNABLE_MODEL_KEYS = ("type", "init_from")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # inf passed every `ge`/`gt` bound (rope_theta: .inf trained without rope, cpus_per_worker: .inf crashed in Ray).
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
     _no_bool_numbers = field_validator("*", mode="before")(refuse_bool_numbers)
 
 
@@ -874,8 +875,8 @@ def _check_search_space(key: str, spec: Any) -> None:
         if name in ("uniform", "loguniform", "randint", "quniform"):
             # Tune itself would only say so once a search had started (Ray up, a tokenizer trained).
             low, high = args[0], args[1]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in args):
-                raise ValueError(f"tune.param_space.{key}.{name}: bounds must be numbers, got {args!r}")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in args):
+                raise ValueError(f"tune.param_space.{key}.{name}: bounds must be finite numbers, got {args!r}")
             if low >= high:
                 raise ValueError(f"tune.param_space.{key}.{name}: low {low} must be below high {high}")
             if name == "loguniform" and low <= 0:

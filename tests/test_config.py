@@ -369,3 +369,20 @@ def test_a_malformed_searched_total_steps_is_a_config_error_not_a_traceback():
     for value, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             parse_config(apply_overrides(base, [f"tune.param_space.training.total_steps={value}"]))
+
+
+def test_infinite_and_nan_numbers_are_refused_in_every_section():
+    """`rope_theta: .inf` trained without rope and was exported as Infinity; `cpus_per_worker: .inf` passed validate
+    and crashed in Ray (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    base = _example("tiny_llama.yaml")
+    for flag in ("model.rope_theta=.inf", "model.rms_norm_eps=.nan", "model.initializer_range=.inf",
+                 "scaling.cpus_per_worker=.inf", "scaling.resources_per_worker={CPU: .inf}"):
+        key = flag.split("=")[0].replace("={CPU", "")
+        with pytest.raises(ConfigError, match=rf"{key}(\.CPU)?: Input should be a finite number"):
+            parse_config(apply_overrides(base, [flag]))
+    with pytest.raises(ConfigError, match=r"uniform: bounds must be finite numbers"):
+        parse_config(apply_overrides(base, ["tune.param_space.training.learning_rate={uniform: [0.001, .inf]}"]))
+    with pytest.raises(ValidationError, match="finite number"):
+        LlamaConfig(rope_theta=float("inf"))
