@@ -684,8 +684,8 @@ def read_file(path: str) -> Dict[str, Any]:
                           "them into one") from None
     except _OctalInt as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    if data is None:
-        raise ConfigError(f"{path}: the file is empty; start from examples/tiny_llama.yaml (an empty config would "
+    if data is None or data == {}:
+        raise ConfigError(f"{path}: the file {'is empty' if data is None else 'sets nothing'}; start from examples/tiny_llama.yaml (an empty config would "
                           "mean Llama's default sizes, 4096 wide and 32 layers)")
     data = _numbers(data)
     if not isinstance(data, dict):
@@ -717,11 +717,13 @@ class _NoDuplicatesLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys it brings may be overridden here
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise _DuplicateKey(f"{key!r} (line {key_node.start_mark.line + 1})")
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # merges `<<` keys, those given here winning
 
     def construct_yaml_int(self, node):
         # YAML 1.1 reads 012 as octal 10: total_steps: 012 trained 10 steps.

@@ -386,3 +386,28 @@ def test_infinite_and_nan_numbers_are_refused_in_every_section():
         parse_config(apply_overrides(base, ["tune.param_space.training.learning_rate={uniform: [0.001, .inf]}"]))
     with pytest.raises(ValidationError, match="finite number"):
         LlamaConfig(rope_theta=float("inf"))
+
+
+def test_yaml_merge_keys_are_read_and_keys_given_twice_still_refused(tmp_path):
+    """`<<: *anchor` was refused as "not valid YAML" (the duplicate-key check built the merge key itself; a review)."""
+    from ray_jax_train.run_config import ConfigError, read_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: &m\n  hidden_size: 32\n  intermediate_size: 64\n"
+                    "x: {<<: *m, hidden_size: 64, num_hidden_layers: 2}\n")
+    data = read_file(str(path))
+    # Keys the merge brings and the mapping sets again are the mapping's (YAML's rule), not "given twice".
+    assert data["x"] == {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2}
+    path.write_text("base: &b {total_steps: 3}\ntraining:\n  <<: *b\n  batch_size: 2\n  batch_size: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'batch_size' \(line 5\) is given twice"):
+        read_file(str(path))
+
+
+def test_a_config_of_an_empty_mapping_is_refused_as_an_empty_file_is(tmp_path):
+    """`{}` built Llama's default 4096-wide, 32-layer model, which an empty file was refused for (a review)."""
+    from ray_jax_train.run_config import ConfigError, read_file
+
+    for name in ("c.yaml", "c.json"):
+        (tmp_path / name).write_text("{}\n")
+        with pytest.raises(ConfigError, match=r"the file sets nothing; start from examples/tiny_llama.yaml"):
+            read_file(str(tmp_path / name))
