@@ -495,20 +495,18 @@ class ExperimentConfig(_Section):
                         "{choice: [...]} (sampled)." if isinstance(value, list) else "")
                 raise ConfigError(f"tune.param_space.{key}: trials given {value!r} would fail: {error}{hint}")
         # A float range's ends may be whole numbers that an integer setting takes; the values Tune samples are not.
-        # One value from inside each range, beside ends that passed (kept out of the product: 3 values per range).
+        # Values from inside each range, beside ends that passed (kept out of the product: a few values per range).
         passing = next((c for c in itertools.product(*(range(len(candidates[k])) for k in keys))
                         if all(item in passed for item in zip(keys, c))), None)
         for key, spec in space.items():
-            inside = search_candidates(spec, interior=True)[2:]
-            if not inside or passing is None:
-                continue
-            trial = _with_values(data, {other: inside[0] if other == key else candidates[other][index]
-                                        for other, index in zip(keys, passing)})
-            try:
-                parse_config(trial).training_arguments()
-            except ValueError as exc:
-                raise ConfigError(f"tune.param_space.{key}: trials given {inside[0]!r} would fail: {exc}"
-                                  f"{_whole_number_hint(spec)}") from None
+            for value in search_candidates(spec, interior=True)[2:] if passing is not None else []:
+                trial = _with_values(data, {other: value if other == key else candidates[other][index]
+                                            for other, index in zip(keys, passing)})
+                try:
+                    parse_config(trial).training_arguments()
+                except ValueError as exc:
+                    raise ConfigError(f"tune.param_space.{key}: trials given {value!r} would fail: {exc}"
+                                      f"{_whole_number_hint(spec, value)}") from None
         # Every combination of grid values runs (random keys are drawn per trial), so each must work.
         for grid_point, error in grid_failures.items():
             if grid_point not in grid_passed:
@@ -685,7 +683,8 @@ def read_file(path: str) -> Dict[str, Any]:
     except _OctalInt as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if data is None or data == {}:
-        raise ConfigError(f"{path}: the file {'is empty' if data is None else 'sets nothing'}; start from examples/tiny_llama.yaml (an empty config would "
+        raise ConfigError(f"{path}: the file {'is empty' if data is None else 'sets nothing'}; start from "
+                          "examples/tiny_llama.yaml (an empty config would "
                           "mean Llama's default sizes, 4096 wide and 32 layers)")
     data = _numbers(data)
     if not isinstance(data, dict):
@@ -1214,17 +1213,35 @@ def _with_values(data: Dict[str, Any], values: Dict[str, Any]) -> Dict[str, Any]
     return trial
 
 
+# A randint range of at most this many values has each one checked (a check parses a trial's config, ~0.1 s).
+_RANDINT_CHECK_ALL = 16
+
+
 def search_candidates(spec: Any, *, interior: bool = False) -> List[Any]:
     """The values a search space entry can give, ranges as their two ends (randint's high end is exclusive).
 
-    `interior` adds, for a float range, one value Tune could sample from inside it: the ends of `uniform: [0, 10]`
-    are whole numbers that an integer setting takes, the 3.7 that Tune samples is not."""
+    `interior` adds values Tune could sample from inside a range: for a float range one value (the ends of
+    `uniform: [0, 10]` are whole numbers that an integer setting takes, the 3.7 that Tune samples is not), for
+    quniform a multiple of q that is not whole if there is one, and for randint every value of a small range (33
+    in [32, 37) is not divisible by 2 heads), else some of both parities near each end and in the middle."""
     kind, values = next(iter(spec.items())) if isinstance(spec, dict) else ("constant", [spec])
     if kind == "randint":
-        return [values[0], values[1] - 1]
+        low, last = int(values[0]), int(math.ceil(values[1])) - 1
+        ends = [low, last]
+        if interior and last - low + 1 <= _RANDINT_CHECK_ALL:
+            ends += list(range(low + 1, last))
+        elif interior:
+            mid = (low + last) // 2
+            ends += [v for v in dict.fromkeys((low + 1, low + 2, mid, mid + 1, last - 2, last - 1)) if low < v < last]
+        return ends
     if kind in ("uniform", "loguniform", "quniform"):
         ends = list(values[:2])
-        if interior and kind != "quniform" and ends[0] != ends[1]:
+        if interior and kind == "quniform":
+            low, high, q = values
+            steps = [k * q for k in range(math.floor(low / q) + 1, math.ceil(high / q))][:64]
+            fractional = [v for v in steps if not float(v).is_integer()]
+            ends += (fractional or steps)[:1]
+        elif interior and ends[0] != ends[1]:
             low, high = float(ends[0]), float(ends[1])
             inside = low * (high / low) ** 0.37 if kind == "loguniform" else low + 0.37 * (high - low)
             ends.append(inside + 0.5 if inside.is_integer() and high - inside > 0.5 else inside)
@@ -1232,10 +1249,16 @@ def search_candidates(spec: Any, *, interior: bool = False) -> List[Any]:
     return list(values)
 
 
-def _whole_number_hint(spec: Any) -> str:
+def _whole_number_hint(spec: Any, value: Any) -> str:
     """For a float range over what may be an integer setting: the range Tune would sample whole numbers from."""
     kind, values = next(iter(spec.items()))
+    if kind not in ("uniform", "loguniform", "quniform") or float(value).is_integer():
+        return ""
     low, high = values[0], values[1]
+    if kind == "quniform":
+        return (f'\n  Tune samples multiples of q={values[2]} from {{"quniform": {list(values)}}}, such as {value!r}; '
+                f'for whole numbers use {{"randint": [{math.ceil(low)}, {math.floor(high) + 1}]}} (its high end is '
+                'exclusive) or a whole q.')
     if kind == "uniform" and float(low).is_integer() and float(high).is_integer():
         return (f'\n  Tune samples floats from {{"{kind}": {list(values)}}}; for whole numbers use {{"randint": '
                 f'[{int(low)}, {int(high) + 1}]}} (its high end is exclusive).')

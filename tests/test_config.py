@@ -411,3 +411,27 @@ def test_a_config_of_an_empty_mapping_is_refused_as_an_empty_file_is(tmp_path):
         (tmp_path / name).write_text("{}\n")
         with pytest.raises(ConfigError, match=r"the file sets nothing; start from examples/tiny_llama.yaml"):
             read_file(str(tmp_path / name))
+
+
+def test_search_ranges_whose_ends_pass_but_inside_values_fail_are_refused():
+    """Only the ends of randint and quniform were checked: hidden_size randint [32, 37) passed validate and its trials
+    given 33 or 35 (not divisible by 2 heads) failed; batch_size quniform q=0.5 sampled 3.5 (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    base = _example("tune_tiny_llama.yaml")
+
+    def check(flag):
+        return parse_config(apply_overrides(base, [f"tune.param_space.{flag}"]))
+
+    with pytest.raises(ConfigError, match=r"(?s)model\.hidden_size: trials given 33 would fail: .*hidden_size=33 "
+                                          r"is not divisible by num_attention_heads=2"):
+        check("model.hidden_size={randint: [32, 37]}")
+    with pytest.raises(ConfigError, match=r"(?s)training\.batch_size: trials given 2\.5 would fail: .*fractional part.*"
+                                          r"for whole numbers use \{\"randint\": \[2, 9\]\}"):
+        check("training.batch_size={quniform: [2, 8, 0.5]}")
+    # A large range is checked near its ends and in its middle, both parities: 41 is odd.
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: trials given \d*[13579] would fail"):
+        check("model.hidden_size={randint: [40, 201]}")
+    check("training.batch_size={quniform: [2, 8, 2]}")  # whole multiples: valid
+    check("training.learning_rate={quniform: [0.001, 0.01, 0.001]}")
+    check("training.batch_size={randint: [2, 9]}")
