@@ -324,6 +324,7 @@ class ExperimentConfig(_Section):
         if self.data.source == [] or self.data.eval_source == []:
             raise ConfigError("data.source / data.eval_source: an empty list; give files, or 'stdlib' for the "
                               "built-in corpus")
+        self._check_data_settings_apply()
         problem = model.hf_export_problem() if args.save_final_model else None
         if problem:
             raise ConfigError(f"model: {problem}. The run ends by exporting a Hugging Face model, which this config "
@@ -389,6 +390,20 @@ class ExperimentConfig(_Section):
             self._check_trial_values()
             self._check_max_t(args)
         return self
+
+    def _check_data_settings_apply(self) -> None:
+        """Data settings the run would ignore, refused (they were ignored without a word). The defaults are not
+        refused: a resumed search reads back a full dump of its config."""
+        d = self.data
+        if d.eval_source is not None and d.eval_fraction > 0:
+            raise ConfigError(f"data.eval_fraction={d.eval_fraction} and data.eval_source are both set: the eval set "
+                              "is data.eval_source's, and no fraction of data.source would be held out. Remove "
+                              "data.eval_fraction to evaluate on data.eval_source, or data.eval_source to hold out "
+                              "that fraction of data.source")
+        if d.paths() and d.kind != type(d).model_fields["kind"].default:
+            raise ConfigError(f"data.kind={d.kind!r} chooses what the built-in stdlib corpus yields (docstrings or "
+                              "whole source files), but data.source names files, which are read as they are; remove "
+                              "data.kind, or set data.source: stdlib")
 
     def _check_scaling(self):
         """The TPU settings, and Ray's ScalingConfig built as `fit` builds it: Ray's own refusals (a TPU topology it

@@ -435,3 +435,22 @@ def test_search_ranges_whose_ends_pass_but_inside_values_fail_are_refused():
     check("training.batch_size={quniform: [2, 8, 2]}")  # whole multiples: valid
     check("training.learning_rate={quniform: [0.001, 0.01, 0.001]}")
     check("training.batch_size={randint: [2, 9]}")
+
+
+def test_data_settings_the_run_would_ignore_are_refused(tmp_path):
+    """eval_fraction beside eval_source held nothing out, and kind: source beside files read the files as they are;
+    both were accepted without a word (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    base = _example("tiny_llama.yaml")  # eval_fraction: 0.1
+    with pytest.raises(ConfigError, match=r"data\.eval_fraction=0\.1 and data\.eval_source are both set"):
+        parse_config(apply_overrides(base, [f"data.eval_source={data}"]))
+    with pytest.raises(ConfigError, match=r"data\.kind='source' chooses what the built-in stdlib corpus yields.*"
+                                          r"remove data\.kind"):
+        parse_config(apply_overrides(base, [f"data.source={data}", "data.kind=source"]))
+    parse_config(apply_overrides(base, [f"data.eval_source={data}", "data.eval_fraction=0"]))
+    parse_config(apply_overrides(base, ["data.kind=source"]))
+    config = parse_config(apply_overrides(base, [f"data.source={data}"]))
+    parse_config(config.model_dump(mode="json"))  # a full dump (a resumed search's) names the default kind
