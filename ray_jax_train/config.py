@@ -234,25 +234,49 @@ class LlamaConfig(_Base):
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings: make hidden_size / "
                              f"num_attention_heads ({self.hidden_size} / {self.num_attention_heads}) even, or set an "
                              "even head_dim")
-        if self.rope_scaling is not None:
-            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        if self.rope_scaling:
+            rtype = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            settings = [k for k in self.rope_scaling if k not in ("rope_type", "type")]
+            if rtype is None:  # read as default rope: {factor: 8.0} trained and exported without scaling
+                raise ValueError(
+                    f"rope_scaling {self.rope_scaling} names no rope_type, so its {', '.join(settings)} would be "
+                    f"ignored; add rope_type: 'llama3' (supported: 'default', 'llama3'), or remove rope_scaling"
+                )
             if rtype not in ("default", "llama3"):
                 raise ValueError(
                     f"rope_scaling type {rtype!r} is not implemented; supported: 'default', 'llama3'"
                 )
+            if rtype == "default" and settings:
+                raise ValueError(
+                    f"rope_scaling {self.rope_scaling} is rope_type 'default', which takes no settings, so "
+                    f"{', '.join(settings)} would be ignored; remove them, or use rope_type: 'llama3'"
+                )
             if rtype == "llama3":
                 missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
-                           if not isinstance(self.rope_scaling.get(k), (int, float))]
+                           if not _positive_number(self.rope_scaling.get(k))]
                 if missing:
                     raise ValueError(
-                        f"rope_scaling {self.rope_scaling} is llama3 but lacks numeric {', '.join(missing)}; llama3 "
-                        f"rope needs factor, low_freq_factor and high_freq_factor (Llama 3.1 uses 8.0, 1.0, 4.0)"
+                        f"rope_scaling {self.rope_scaling} is llama3 but lacks numeric {', '.join(missing)} (positive, "
+                        f"finite); llama3 rope needs factor, low_freq_factor and high_freq_factor (Llama 3.1 uses 8.0, "
+                        f"1.0, 4.0)"
+                    )
+                if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+                    raise ValueError(
+                        f"rope_scaling {self.rope_scaling}: high_freq_factor must be above low_freq_factor (the "
+                        f"frequencies between them are interpolated; Llama 3.1 uses 1.0 and 4.0)"
                     )
                 if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
                     raise ValueError(
                         f"rope_scaling partial_rotary_factor={self.rope_scaling['partial_rotary_factor']} is not "
                         f"implemented (rotary embeddings cover the whole head); remove it or set it to 1.0"
                     )
+        out_of_vocabulary = [f"{name}={value}" for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+                             for value in _token_ids(getattr(self, name)) if not 0 <= value < self.vocab_size]
+        if out_of_vocabulary:  # an embedding lookup past the table gives NaN; the export wrote them as they were
+            raise ValueError(
+                f"{', '.join(out_of_vocabulary)} outside the vocabulary (vocab_size={self.vocab_size}: ids 0 to "
+                f"{self.vocab_size - 1}); set an id of the tokenizer, or leave it out (the tokenizer's is used)"
+            )
         if self.sliding_window is not None and self.model_type == "llama":
             # Exporting would silently drop the window: HF's LlamaForCausalLM attends to the whole sequence.
             raise ValueError(
@@ -492,6 +516,14 @@ def _transformers_config_dict(hf: Any) -> dict[str, Any]:
         return hf_cls.from_dict(copy.deepcopy(d)).to_dict()
     except Exception as e:  # transformers' strict-dataclass errors are not ValueErrors
         raise ValueError(f"transformers' {hf_cls.__name__} refuses this config: {e}") from e
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _token_ids(value: Union[None, int, list[int]]) -> list[int]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def _divisors(n: int) -> list[int]:

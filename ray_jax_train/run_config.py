@@ -593,6 +593,13 @@ class ExperimentConfig(_Section):
                 if base is not None:
                     values[name] = base * index
         values.setdefault("vocab_size", len(tokenizer) if tokenizer is not None else self.tokenizer.vocab_size)
+        if tokenizer is not None:  # said as a vocabulary too small, not as the tokenizer's ids outside the model's
+            from ray_jax_train.lm.data import check_tokenizer_fits
+
+            try:
+                check_tokenizer_fits(tokenizer, int(values["vocab_size"]))
+            except ValueError as exc:
+                raise ConfigError(f"model.vocab_size: {exc}") from None
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if tokenizer is not None and getattr(tokenizer, name, None) is not None:
                 values.setdefault(name, getattr(tokenizer, name))

@@ -454,3 +454,45 @@ def test_data_settings_the_run_would_ignore_are_refused(tmp_path):
     parse_config(apply_overrides(base, ["data.kind=source"]))
     config = parse_config(apply_overrides(base, [f"data.source={data}"]))
     parse_config(config.model_dump(mode="json"))  # a full dump (a resumed search's) names the default kind
+
+
+def test_special_token_ids_outside_the_vocabulary_are_refused():
+    """eos_token_id=5000 and pad_token_id=-1 with 300 tokens trained and were written into the exported config.json
+    (a review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config
+
+    base = _example("tiny_llama.yaml")  # tokenizer.vocab_size: 300
+    with pytest.raises(ConfigError, match=r"model: eos_token_id=5000, pad_token_id=-1 outside the vocabulary "
+                                          r"\(vocab_size=300: ids 0 to 299\)"):
+        parse_config(apply_overrides(base, ["model.eos_token_id=5000", "model.pad_token_id=-1"]))
+    with pytest.raises(ConfigError, match=r"eos_token_id=300 outside the vocabulary"):
+        parse_config(apply_overrides(base, ["model.eos_token_id=[1, 300]"]))
+    with pytest.raises(ValidationError, match=r"bos_token_id=-2 outside the vocabulary"):
+        LlamaConfig(vocab_size=10, bos_token_id=-2)
+    assert LlamaConfig(vocab_size=10, bos_token_id=0, eos_token_id=[8, 9], pad_token_id=9).eos_token_id == [8, 9]
+
+    class Tokenizer:  # a tokenizer larger than the model is said as that, not as its ids outside the model
+        pad_token_id, eos_token_id = 399, 1
+
+        def __len__(self):
+            return 400
+
+    with pytest.raises(ConfigError, match=r"model\.vocab_size: The tokenizer gives ids up to 399"):
+        parse_config(apply_overrides(base, ["model.vocab_size=300"])).llama_config(Tokenizer())
+
+
+def test_a_rope_scaling_that_would_be_ignored_is_refused():
+    """rope_scaling {factor: 8.0} without rope_type was read as default rope and trained without scaling (a review)."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cases = [({"factor": 8.0}, r"names no rope_type, so its factor would be ignored; add rope_type: 'llama3' "
+                               r"\(supported: 'default', 'llama3'\)"),
+             ({"rope_type": "default", "factor": 8.0}, r"is rope_type 'default', which takes no settings, so factor "
+                                                       r"would be ignored"),
+             ({**llama3, "factor": float("inf")}, r"lacks numeric factor \(positive, finite\)"),
+             ({**llama3, "high_freq_factor": 1.0}, r"high_freq_factor must be above low_freq_factor")]
+    for rope_scaling, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling=rope_scaling)
+    old_spelling = {"type": "llama3", **{k: v for k, v in llama3.items() if k != "rope_type"}}
+    for fine in ({"rope_type": "default"}, {}, old_spelling):
+        LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling=fine)
