@@ -15,6 +15,7 @@ that name the dotted key path and, for typos, the closest valid key.
 """
 from __future__ import annotations
 
+import datetime
 import difflib
 import hashlib
 import itertools
@@ -125,6 +126,14 @@ class DataSection(_Section):
 
     _expand = field_validator("source", "eval_source", mode="before")(lambda cls, value: _expand_user(value))
 
+    @field_validator("source", "eval_source")
+    @classmethod
+    def _stdlib_alone(cls, value):
+        if isinstance(value, list) and "stdlib" in value:  # it was looked for as a file named stdlib
+            raise ValueError("'stdlib' (the built-in corpus) cannot be listed with files; give it alone "
+                             "(source: stdlib), or list files only")
+        return value
+
     def paths(self, which: str = "source") -> List[str]:
         """The files (or directories, or URIs) of `which`; local glob patterns (`data/*.jsonl`) expanded, sorted."""
         import glob
@@ -166,6 +175,26 @@ class ScalingSection(_Section):
     gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
     gpu_memory_preallocate: Optional[bool] = None
     check_resources: bool = True
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _no_negative_amounts(cls, value: Optional[Dict[str, float]]) -> Optional[Dict[str, float]]:
+        negative = [f"{k}={v:g}" for k, v in (value or {}).items() if v < 0]
+        if negative:  # dropped as if 0, so a worker asked for less than the file said
+            raise ValueError(f"{', '.join(negative)}: a resource amount cannot be negative; give 0 or more, or "
+                             "leave the resource out")
+        return value
+
+    @model_validator(mode="after")
+    def _one_place_per_amount(self) -> "ScalingSection":
+        given = self.resources_per_worker or {}
+        both = [(key, name) for key, name in (("CPU", "cpus_per_worker"), ("GPU", "gpus_per_worker"))
+                if key in given and getattr(self, name) is not None]
+        if both:  # resources_per_worker won, without a word
+            key, name = both[0]
+            raise ValueError(f"{name}={getattr(self, name):g} and resources_per_worker {{{key}: {given[key]:g}}} "
+                             f"both set a worker's {key}s, and resources_per_worker would win; set it in one of them")
+        return self
 
     def worker_resources(self) -> Dict[str, float]:
         """What one worker asks Ray for (the shape Ray Train will place)."""
@@ -333,6 +362,10 @@ class ExperimentConfig(_Section):
             self._check_tune_metric()
             # Before anything reads the searched values (trial_lengths): a malformed entry was a traceback there.
             for key, spec in self.tune.param_space.items():
+                if key in TUNABLE_SECTIONS and isinstance(spec, dict):  # the nested form of a config section
+                    dotted = ", ".join(f"{key}.{name}" for name in list(spec)[:3])
+                    raise ConfigError(f"tune.param_space: {key!r} is a section; name each searched setting by its "
+                                      f"dotted key ({dotted}: {{...}}), not nested under {key}:")
                 try:
                     check_tunable(key)
                     _check_search_space(key, spec)
@@ -542,7 +575,12 @@ class ExperimentConfig(_Section):
         try:
             return TrainingArguments.model_validate(values)
         except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix=("training",), model=TrainingArguments)) from None
+            message = format_validation_error(exc, prefix=("training",), model=TrainingArguments)
+            # Settings that other sections pass in are named where the file sets them (scaling.mesh, not training.mesh).
+            moved = "|".join(re.escape(k) for k in MOVED_TRAINING_KEYS)
+            message = re.sub(rf"^(\s*)training\.({moved})\b", lambda m: m[1] + MOVED_TRAINING_KEYS[m[2]], message,
+                             flags=re.M)
+            raise ConfigError(message) from None
 
     def model_fields_set_values(self) -> Dict[str, Any]:
         return {k: v for k, v in self.model.model_dump().items()
@@ -688,6 +726,9 @@ class ExperimentConfig(_Section):
 
 def read_file(path: str) -> Dict[str, Any]:
     """A YAML or JSON mapping from `path` (ConfigError when missing, unparsable or not a mapping)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory; give the YAML or JSON file in it (e.g. "
+                          "examples/tiny_llama.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     with open(path) as f:
@@ -702,13 +743,12 @@ def read_file(path: str) -> Dict[str, Any]:
     except _DuplicateKey as exc:
         raise ConfigError(f"{path}: key {exc} is given twice; the second would silently replace the first. Merge "
                           "them into one") from None
-    except _OctalInt as exc:
+    except _MisreadNumber as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if data is None or data == {}:
         raise ConfigError(f"{path}: the file {'is empty' if data is None else 'sets nothing'}; start from "
                           "examples/tiny_llama.yaml (an empty config would "
                           "mean Llama's default sizes, 4096 wide and 32 layers)")
-    data = _numbers(data)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections "
                           f"({', '.join(ExperimentConfig.model_fields)}), got {type(data).__name__}")
@@ -719,7 +759,7 @@ class _DuplicateKey(Exception):
     pass
 
 
-class _OctalInt(Exception):
+class _MisreadNumber(Exception):
     pass
 
 
@@ -749,29 +789,37 @@ class _NoDuplicatesLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node):
         # YAML 1.1 reads 012 as octal 10: total_steps: 012 trained 10 steps.
         text = self.construct_scalar(node).replace("_", "")
+        _refuse_base_60(node, text)
         value = super().construct_yaml_int(node)
         if re.fullmatch(r"[-+]?0[0-7]+", text) and value != int(text, 10):  # 00 and 07 mean what they say
-            where = f" (line {node.start_mark.line + 1})" if node.start_mark.line else ""
-            raise _OctalInt(f"{text}{where} reads as the octal number {value} in YAML; write it without the "
-                            f"leading 0 (or quoted, '{text}', for text)")
+            raise _MisreadNumber(f"{text}{_line(node)} reads as the octal number {value} in YAML; write it without "
+                                 f"the leading 0 (or quoted, '{text}', for text)")
         return value
+
+    def construct_yaml_float(self, node):
+        _refuse_base_60(node, self.construct_scalar(node))
+        return super().construct_yaml_float(node)
+
+
+def _line(node) -> str:
+    return f" (line {node.start_mark.line + 1})" if node.start_mark.line else ""
+
+
+def _refuse_base_60(node, text: str) -> None:
+    """YAML 1.1 reads 1:30 as 90 (base 60): total_steps: 1:30 trained 90 steps."""
+    if ":" in text:
+        value = yaml.SafeLoader.construct_yaml_float(yaml.SafeLoader(""), node)
+        raise _MisreadNumber(f"{text}{_line(node)} reads as the base-60 number {value:g} in YAML; write the number "
+                             f"itself (or quoted, '{text}', for text)")
 
 
 _NoDuplicatesLoader.add_constructor("tag:yaml.org,2002:int", _NoDuplicatesLoader.construct_yaml_int)
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-def _numbers(value):
-    """YAML 1.1 reads `1e-4` (no dot) as a string; everyone means the number."""
-    if isinstance(value, str) and _FLOAT.match(value.strip()):
-        return float(value)
-    if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_numbers(v) for v in value]
-    return value
+_NoDuplicatesLoader.add_constructor("tag:yaml.org,2002:float", _NoDuplicatesLoader.construct_yaml_float)
+# YAML 1.1 reads a plain `1e-4` (no dot) as a string; everyone means the number. Plain scalars only: a quoted
+# "1e3" (a run name) stays text.
+_NoDuplicatesLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                          re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                          list("-+0123456789."))
 
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -808,7 +856,7 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
             value = raw
         except _DuplicateKey as exc:  # a string setting would take the whole text as its value
             raise ConfigError(f"--set {item!r}: key {exc} is given twice") from None
-        except _OctalInt as exc:
+        except _MisreadNumber as exc:
             raise ConfigError(f"--set {item!r}: {exc}") from None
         if isinstance(value, dict) and any(v is None and re.fullmatch(r"[^:\s]+:\S+", str(k)) for k, v in value.items()):
             # YAML reads {dp:1} as the key "dp:1" with no value; the schema's error named that key only
@@ -821,7 +869,7 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
             if not isinstance(child, dict):
                 child = node[part] = {}
             node = child
-        node[parts[-1]] = _numbers(value)
+        node[parts[-1]] = value
     return data
 
 
@@ -959,6 +1007,13 @@ def format_validation_error(exc: ValidationError, *, prefix: Tuple[str, ...] = (
         given = error.get("input")
         if kind in ("literal_error", "enum"):
             lines.append(f"{path}: {message} (got {given!r})")
+        elif kind == "string_type" and isinstance(given, (bool, int, float, datetime.date)):
+            # YAML read the text as a number, a boolean (yes, on) or a date: a name like 2024 needs quotes.
+            read = ("a boolean (from yes, no, on, off, true or false)" if isinstance(given, bool) else
+                    f"the date {given}" if isinstance(given, datetime.date) else f"the number {given!r}")
+            text = "on" if isinstance(given, bool) else given
+            lines.append(f"{path}: wrong type: {message}, and YAML read {read}; quote it to keep it as text, e.g. "
+                         f"{loc[-1] if loc else 'key'}: \"{text}\"")
         elif kind.endswith("_type") or kind.endswith("_parsing"):
             lines.append(f"{path}: wrong type: {message} (got {given!r})")
         else:

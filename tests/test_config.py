@@ -496,3 +496,53 @@ def test_a_rope_scaling_that_would_be_ignored_is_refused():
     old_spelling = {"type": "llama3", **{k: v for k, v in llama3.items() if k != "rope_type"}}
     for fine in ({"rope_type": "default"}, {}, old_spelling):
         LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling=fine)
+
+
+def test_yaml_text_stays_text_and_base_60_numbers_are_refused(tmp_path):
+    """A quoted run.name "1e3" became 1000.0 (every string like a number was converted, quoted or not); 1:30 was read
+    as the base-60 number 90; run.name 2024, yes or a date said "should be a valid string" without the fix (a
+    review)."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config, read_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text('run:\n  name: "1e3"\ntraining:\n  learning_rate: 1e-3\n  warmup_steps: 1_0\n')
+    assert read_file(str(path)) == {"run": {"name": "1e3"}, "training": {"learning_rate": 1e-3, "warmup_steps": 10}}
+    assert apply_overrides({}, ["run.name='2e5'", "training.learning_rate=2e-5"]) == {
+        "run": {"name": "2e5"}, "training": {"learning_rate": 2e-5}}
+    path.write_text("training:\n  total_steps: 1:30\n")
+    with pytest.raises(ConfigError, match=r"1:30 \(line 2\) reads as the base-60 number 90 in YAML; write the number "
+                                          r"itself \(or quoted, '1:30', for text\)"):
+        read_file(str(path))
+    with pytest.raises(ConfigError, match=r"'training.learning_rate=1:30.5': 1:30.5 reads as the base-60 number 90.5"):
+        apply_overrides({}, ["training.learning_rate=1:30.5"])
+    for flag, read in [("run.name=2024", "the number 2024"), ("run.name=yes", "a boolean"),
+                       ("run.name=2026-11-27", "the date 2026-11-27")]:
+        with pytest.raises(ConfigError, match=rf"run\.name: wrong type: .*YAML read {read}.*quote it to keep it"):
+            parse_config(apply_overrides({}, [flag]))
+
+
+def test_mistakes_are_named_where_the_file_makes_them(tmp_path):
+    """Refusals that named another key or the wrong fix, or none (a review): scaling.mesh was said as training.mesh;
+    a directory as a missing file; stdlib listed with files as a missing file called stdlib, with the advice to use
+    stdlib; a nested tune.param_space as 'training' not tunable; a negative resource not at all (dropped); a CPU count
+    given twice silently took resources_per_worker's."""
+    from ray_jax_train.run_config import ConfigError, apply_overrides, parse_config, read_file
+
+    base = _example("tiny_llama.yaml")
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    cases = {("scaling.mesh={dq: -1}",): r"^invalid config:\n  scaling\.mesh: mesh=\{'dq': -1\} has no batch axis",
+             (f"data.source=[stdlib, {data}]",): r"data\.source: 'stdlib' \(the built-in corpus\) cannot be listed "
+                                                 r"with files",
+             ("tune.param_space={training: {learning_rate: {choice: [0.1]}}}",):
+                 r"'training' is a section; name each searched setting by its dotted key \(training\.learning_rate",
+             ("scaling.resources_per_worker={CPU: -1}",): r"scaling\.resources_per_worker: CPU=-1: a resource amount "
+                                                          r"cannot be negative",
+             ("scaling.cpus_per_worker=1", "scaling.resources_per_worker={CPU: 2}"):
+                 r"cpus_per_worker=1 and resources_per_worker \{CPU: 2\} both set a worker's CPUs"}
+    for flags, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_config(apply_overrides(base, list(flags)))
+    with pytest.raises(ConfigError, match=r"is a directory; give the YAML or JSON file in it"):
+        read_file(str(tmp_path))
+    parse_config(apply_overrides(base, ["scaling.resources_per_worker={CPU: 2, memory: 1000}"]))
