@@ -394,9 +394,11 @@ class LlamaConfig(_Base):
             attention_out_bias=out_bias,
             dtype=dtype,
             param_dtype=dtype,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            # Hugging Face configs write -1 for "no such token" (early Llama ones as pad_token_id): that is None here,
+            # where a negative id is refused as outside the vocabulary.
+            bos_token_id=_none_if_negative(d.get("bos_token_id")),
+            eos_token_id=_none_if_negative(d.get("eos_token_id")),
+            pad_token_id=_none_if_negative(d.get("pad_token_id")),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -520,6 +522,13 @@ def _transformers_config_dict(hf: Any) -> dict[str, Any]:
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _none_if_negative(value: Any) -> Any:
+    if isinstance(value, list):
+        kept = [v for v in value if not (isinstance(v, int) and v < 0)]
+        return kept or None
+    return None if isinstance(value, int) and not isinstance(value, bool) and value < 0 else value
 
 
 def _token_ids(value: Union[None, int, list[int]]) -> list[int]:

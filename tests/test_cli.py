@@ -137,8 +137,8 @@ def test_validate_reads_the_data_columns_and_the_chat_template_without_ray(capsy
         code, _, err = validate(f"data.source={tmp_path / name}")
         assert code == 2 and "data.source" in err and "its columns are ['body'" in err and "text_column" in err, err
         assert validate(f"data.source={tmp_path / name}", "training.text_column=body")[0] == 0
-    code, _, err = validate(f"data.eval_source={tmp_path / 'body.parquet'}")
-    assert code == 2 and "data.eval_source" in err, err
+    code, _, err = validate(f"data.eval_source={tmp_path / 'body.parquet'}", "data.eval_fraction=0")
+    assert code == 2 and "data.eval_source" in err and "its columns are ['body'" in err, err
     code, _, err = validate(f"data.source={tmp_path / 'chat.jsonl'}", f"tokenizer.path={plain}")
     assert code == 2 and "holds conversations in 'messages'" in err and "no chat template" in err, err
     assert validate(f"data.source={tmp_path / 'chat.jsonl'}")[0] == 0  # a trained tokenizer gets a template

@@ -470,6 +470,10 @@ def test_special_token_ids_outside_the_vocabulary_are_refused():
     with pytest.raises(ValidationError, match=r"bos_token_id=-2 outside the vocabulary"):
         LlamaConfig(vocab_size=10, bos_token_id=-2)
     assert LlamaConfig(vocab_size=10, bos_token_id=0, eos_token_id=[8, 9], pad_token_id=9).eos_token_id == [8, 9]
+    # A Hugging Face config.json's -1 means "no such token" (early Llama configs' pad): read as none, not refused.
+    hf = LlamaConfig(vocab_size=10).to_hf_dict()
+    loaded = LlamaConfig.from_hf({**hf, "pad_token_id": -1, "eos_token_id": [9, -1]})
+    assert loaded.pad_token_id is None and loaded.eos_token_id == [9]
 
     class Tokenizer:  # a tokenizer larger than the model is said as that, not as its ids outside the model
         pad_token_id, eos_token_id = 399, 1
