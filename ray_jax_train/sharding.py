@@ -254,8 +254,8 @@ def shardings_for(tree, mesh, rules: Union[PartitionRules, RuleList, None] = Non
 
 
 def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = None):
-    """Place every array of `tree` on `mesh` according to `rules`; an nnx object (a Module, an `nnx.Optimizer`)
-    is updated in place and returned.
+    """Place every array of `tree` on `mesh` according to `rules`; an nnx object (a Module, an `nnx.Optimizer`),
+    alone or inside a container (`{"model": model, "opt": opt}`), is updated in place and returned as itself.
 
     Host values (numpy, or arrays every process holds in full) become global arrays through
     `make_array_from_callback`: each process fills only its own shards, so nothing is communicated. Global
@@ -269,6 +269,19 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
 
         nnx.update(tree, shard_by_rules(nnx.state(tree), mesh, rules))
         return tree
+    parts, structure = jax.tree_util.tree_flatten(tree, is_leaf=_is_nnx_object)
+    if any(_is_nnx_object(part) for part in parts):
+        # Inside a container ({"model": model, "opt": opt}) too: JAX rebuilt them as new objects, placed, and left
+        # the caller's own unplaced; a save of those was then refused, pointing back here (a review). Placed as
+        # their states, so rules see the same paths ("model/...") as for the state of the whole container.
+        from flax import nnx
+
+        states = structure.unflatten([nnx.state(p) if _is_nnx_object(p) else p for p in parts])
+        placed = structure.flatten_up_to(shard_by_rules(states, mesh, rules))
+        for part, state in zip(parts, placed):
+            if _is_nnx_object(part):
+                nnx.update(part, state)
+        return structure.unflatten([p if _is_nnx_object(p) else q for p, q in zip(parts, placed)])
     shardings = shardings_for(tree, mesh, rules)
     single = jax.process_count() == 1
 

@@ -252,6 +252,22 @@ def test_new_model_init_by_parts_equals_one_program(monkeypatch):
     assert np.abs(np.asarray(params["layers"][0]["mlp"]["up_proj"]["kernel"]) - np.asarray(kernel)).max() > 0.01
 
 
+def test_nnx_objects_inside_a_state_dict_are_placed_in_place():
+    """{"model": model, "opt": opt} came back as new objects, placed, and the caller's own stayed unplaced: their
+    save was then refused, pointing back to shard_by_rules (a review). Rules see the container's paths."""
+    mesh = make_mesh({"dp": 4})
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    rules = [(r"^model/kernel$", P("dp")), (r".*", P())]
+    state = {"model": model, "opt": opt, "step": np.int32(3)}
+    placed = S.shard_by_rules(state, mesh, rules)
+    assert placed["model"] is model and placed["opt"] is opt
+    assert model.kernel[...].sharding == NamedSharding(mesh, P("dp"))  # the "model/..." path, as in the dict
+    # The moments of the kernel live under "opt/...": the catch-all, replicated on the mesh.
+    assert {x.sharding for x in jax.tree.leaves(nnx.state(opt))} == {NamedSharding(mesh, P())}
+    assert isinstance(placed["step"], jax.Array) and placed["step"].sharding.spec == P()
+
+
 def test_absent_and_size_one_axes():
     _, params = init_params(tiny_config())
     dp_only = specs_by_path(params, jax.sharding.AbstractMesh((4,), ("dp",)))
