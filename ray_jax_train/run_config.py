@@ -454,6 +454,12 @@ class ExperimentConfig(_Section):
         if s.topology is not None and not s.use_tpu:  # Ray ignores it then: the run would use CPUs or GPUs
             raise ConfigError(f"scaling.topology={s.topology!r} set but scaling.use_tpu is false; set "
                               "scaling.use_tpu: true for TPU workers, or remove scaling.topology")
+        if s.accelerator_type is not None and not (s.use_gpu or s.use_tpu):
+            # Ray would keep the CPU workers to nodes of that accelerator, and on a cluster without one it failed
+            # once Ray was up, blaming scaling.num_workers (a CLI review).
+            raise ConfigError(f"scaling.accelerator_type={s.accelerator_type!r} set but the workers use neither GPUs "
+                              "nor TPUs; set scaling.use_gpu: true (or use_tpu) for workers on that accelerator, or "
+                              "remove scaling.accelerator_type")
         try:
             scaling_config = s.scaling_config()
         except ValueError as exc:

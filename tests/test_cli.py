@@ -96,6 +96,10 @@ def test_tpu_scaling_is_checked_on_the_driver(capsys, monkeypatch):
     # Ray's generic accelerator_type, with GPUs too: passed through.
     gpu = load_config(TINY, ["scaling.use_gpu=true", "scaling.accelerator_type=A100"]).scaling.scaling_config()
     assert gpu.accelerator_type == "A100" and not gpu.use_tpu
+    # Without them: CPU workers kept to A100 nodes failed once Ray was up, blaming num_workers (a CLI review).
+    with pytest.raises(ConfigError, match="scaling.accelerator_type='A100' set but the workers use neither GPUs nor "
+                                          "TPUs; set scaling.use_gpu: true"):
+        load_config(TINY, ["scaling.accelerator_type=A100"])
 
     # The check before `fit` counts TPUs and the accelerator type like CPUs: 4 v6e hosts fit, 2 or CPU nodes never.
     host = {"CPU": 180.0, "TPU": 4.0, "accelerator_type:TPU-V6E": 1.0}
