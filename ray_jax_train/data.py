@@ -248,7 +248,7 @@ def iter_jax_batches(
         # and to read it, so a worker that opened another one hung the run.
         opened = json.dumps([dataset if isinstance(dataset, str) else type(dataset).__name__, batch_size, remainder,
                              sorted(columns) if columns is not None else None])
-        agreement = _Agreement(next(_call_counter), sync_timeout_s, opened)
+        agreement = _Agreement(next(_call_counter), sync_timeout_s, opened, sync_window)
         agreement.compare_opened()
     iterator = resolve_dataset(dataset)
     if isinstance(dataset, str):
@@ -286,7 +286,8 @@ def iter_jax_batches(
     stop = threading.Event()
     if agreement is not None:
         agreement.stop = stop
-    batches = _prefetched((to_device(batch) for batch in host_batches), prefetch, stop)
+    batches = _prefetched((to_device(batch) for batch in host_batches), prefetch, stop,
+                          agreement.raise_if_never if agreement is not None else None)
     if _is_split_shard(iterator):
         _open_epochs[iterator] = weakref.ref(batches)
     return batches
@@ -698,7 +699,7 @@ class _Agreement:
     differently with the step's collectives on different processes and deadlock.
     """
 
-    def __init__(self, call_id: int, timeout_s: float, opened: str = ""):
+    def __init__(self, call_id: int, timeout_s: float, opened: str = "", window: int = 1):
         import jax
         from jax._src import distributed
 
@@ -712,49 +713,22 @@ class _Agreement:
         self.first_counts: Optional[List[int]] = None  # each process's full batches in the first window
         self.stop: Optional[threading.Event] = None  # set when the consumer has stopped
         self.layouts: Dict[int, str] = {}  # the last round's `_ColumnLayout.text` of each process that has rows
+        self._window = window
 
-    def compare_opened(self, warn_after_s: float = 60.0) -> None:
+    warn_after_s = 60.0  # a wait this long warns, naming the processes not yet there
+    _window = 1  # batches per round (sync_window): a round's first batch names it in errors
+    # What `_collect` waits for now: (key, first batch of the round or None at the opening, missing processes).
+    waiting: Optional[Tuple[str, Optional[int], List[int]]] = None
+
+    def compare_opened(self) -> None:
         """At the opening, before any read: every process must have opened the same iterator at this point. Called
         in the thread that reports (the loop's), which `why_never` needs."""
-        import time
-
-        from ray_jax_train.checkpoint._sync import note_waiting_thread, why_never
+        from ray_jax_train.checkpoint._sync import note_waiting_thread
 
         note_waiting_thread()
-
         key = f"{self._prefix}/open"
         self._client.key_value_set(f"{key}/{self._rank}", self._opened)
-        answers, started, warned = {}, time.monotonic(), False
-        while len(answers) < self._size:
-            for p in range(self._size):
-                if p in answers:
-                    continue
-                try:
-                    answers[p] = self._client.blocking_key_value_get(f"{key}/{p}", 1000)
-                except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
-                    if "DEADLINE_EXCEEDED" not in str(exc):
-                        raise
-                    never = why_never(self._client, p, f"{key}/{p}")
-                    if never:  # an eval on rank 0 only, say: waited for sync_timeout_s (30 minutes by default)
-                        raise RuntimeError(
-                            f"iter_jax_batches ({self._opened}) is open on process {self._rank}, and process {p} "
-                            f"will never open its matching iterator: {never}. Open the same iter_jax_batches calls "
-                            "in the same order on every worker: each batch spans them all (evaluate on every "
-                            "worker, and let rank 0 alone write files, not read data).") from None
-                    break
-            waited = time.monotonic() - started
-            if len(answers) < self._size and waited > self._timeout_ms / 1000:
-                raise RuntimeError(
-                    f"iter_jax_batches ({self._opened}) waited {waited:.0f}s for processes "
-                    f"{sorted(set(range(self._size)) - set(answers))} to open their matching iterator; they opened "
-                    "fewer iter_jax_batches calls than this one. Open the same calls in the same order on every "
-                    "worker (sync_timeout_s sets this wait).")
-            if len(answers) < self._size and waited > warn_after_s and not warned:
-                warned = True
-                logger.warning("iter_jax_batches (%s) has waited %.0fs for processes %s to open their matching "
-                               "iterator (iterators are matched by opening order): a worker that opens fewer calls "
-                               "or none makes this one wait until sync_timeout_s.", self._opened, waited,
-                               sorted(set(range(self._size)) - set(answers)))
+        answers = self._collect(key, None)
         opened = [answers[p] for p in range(self._size)]
         if len(set(opened)) > 1:
             raise RuntimeError(
@@ -767,7 +741,8 @@ class _Agreement:
         processes that have read rows, else every process raises the same error."""
         key = f"{self._prefix}/{self._round}"
         self._client.key_value_set(f"{key}/{self._rank}", f"{value}|{layout}")
-        answers = [self._get(f"{key}/{p}").partition("|") for p in range(self._size)]
+        collected = self._collect(key, self._round * self._window)
+        answers = [collected[p].partition("|") for p in range(self._size)]
         values = [int(count) for count, _, _ in answers]
         self.layouts = {p: text for p, (_, _, text) in enumerate(answers) if text}
         if len(set(self.layouts.values())) > 1:
@@ -785,23 +760,103 @@ class _Agreement:
         self._round += 1
         return values
 
-    def _get(self, key: str) -> str:
-        """The value of `key`, waited for in slices so a consumer that stops (an eval capped at max_eval_steps)
-        ends this reader too: the other process, stopped a round earlier, never sets this round's key, and the wait
-        held the reader, and Ray's reader under it, for the whole sync timeout (an epoch left open that long ended
-        a later one)."""
+    def _collect(self, key: str, batch: Optional[int]) -> Dict[int, str]:
+        """Every process's value under `key/<process>`: at the opening (`batch` None) or at the round that starts
+        at `batch`. Waited for in slices, so that a process that will never write fails this one at once (its
+        training function has returned, or it waits in ray.train.report), a minute's wait warns, and the deadline
+        says who is missing and why; a bare blocking get hung silently for the whole sync timeout (30 minutes),
+        then named only a key. A consumer that stops (an eval capped at max_eval_steps) ends the wait too: the
+        other process, stopped a round earlier, never sets this round's key, and the wait held the reader, and
+        Ray's reader under it, for the whole sync timeout (an epoch left open that long ended a later one)."""
         import time
 
-        deadline = time.monotonic() + self._timeout_ms / 1000
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            try:
-                return self._client.blocking_key_value_get(key, max(1, min(1000, left_ms)))
-            except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
-                if "DEADLINE_EXCEEDED" not in str(exc) or left_ms <= 1000:
-                    raise
-            if self.stop is not None and self.stop.is_set():
-                raise _ReaderStopped()
+        answers: Dict[int, str] = {}
+        started = time.monotonic()
+        deadline, warned = started + self._timeout_ms / 1000, False
+        try:
+            while True:
+                missing = []
+                for p in range(self._size):
+                    if p not in answers:
+                        try:
+                            answers[p] = self._client.key_value_try_get(f"{key}/{p}")
+                        except Exception:  # noqa: BLE001 - JaxRuntimeError NOT_FOUND: not written yet
+                            missing.append(p)
+                if not missing:
+                    return answers
+                self.waiting = (key, batch, missing)
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                try:  # a blocking get on one of them: woken at once when it comes, not at the next poll
+                    answers[missing[0]] = self._client.blocking_key_value_get(f"{key}/{missing[0]}",
+                                                                              max(1, min(1000, left_ms)))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - JaxRuntimeError; only its text tells a timeout
+                    if "DEADLINE_EXCEEDED" not in str(exc):
+                        raise
+                if self.stop is not None and self.stop.is_set():
+                    raise _ReaderStopped()
+                self.raise_if_never()
+                waited = time.monotonic() - started
+                if waited >= self._timeout_ms / 1000:
+                    raise self._timed_out(batch, missing, waited) from None
+                if waited > self.warn_after_s and not warned:
+                    warned = True
+                    logger.warning("iter_jax_batches (%s) on process %d has waited %.0fs for processes %s %s.",
+                                   self._opened, self._rank, waited, missing,
+                                   "to open their matching iterator (iterators are matched by opening order): a "
+                                   "worker that opens fewer calls or none makes this one wait until sync_timeout_s"
+                                   if batch is None else
+                                   f"to read their share of batch {batch}: a worker that stopped iterating early "
+                                   "makes this one wait until sync_timeout_s; one that is only slower arrives later")
+        finally:
+            self.waiting = None
+
+    def raise_if_never(self) -> None:
+        """Raise where a process this one waits for (`waiting`) will never write its key. Also called from the
+        consumer's thread while it waits for a batch: a wait in ray.train.report is told only there (the thread
+        that reports), not in the reader's."""
+        from ray_jax_train.checkpoint._sync import why_never
+
+        waiting = self.waiting
+        if waiting is None:
+            return
+        key, batch, missing = waiting
+        # Raised `from None`: a chained cause put Ray's error snippet's cut before the advice.
+        for p in missing:
+            never = why_never(self._client, p, f"{key}/{p}")
+            if not never:
+                continue
+            if batch is None:  # an eval on rank 0 only, say: waited for sync_timeout_s (30 minutes by default)
+                raise IteratorsOutOfStepError(
+                    f"iter_jax_batches ({self._opened}) is open on process {self._rank}, and process {p} "
+                    f"will never open its matching iterator: {never}. Open the same iter_jax_batches calls "
+                    "in the same order on every worker: each batch spans them all (evaluate on every "
+                    "worker, and let rank 0 alone write files, not read data).") from None
+            raise IteratorsOutOfStepError(
+                f"iter_jax_batches ({self._opened}) on process {self._rank} reads batch {batch}, which process {p} "
+                f"will never read: {never}. Each batch spans every process, so {_STOPPED_EARLY}") from None
+
+    def _timed_out(self, batch: Optional[int], missing: List[int], waited: float) -> Exception:
+        if batch is None:
+            return RuntimeError(
+                f"iter_jax_batches ({self._opened}) waited {waited:.0f}s for processes {missing} to open their "
+                "matching iterator; they opened fewer iter_jax_batches calls than this one. Open the same calls in "
+                "the same order on every worker (sync_timeout_s sets this wait).")
+        return RuntimeError(
+            f"iter_jax_batches ({self._opened}) on process {self._rank} waited {waited:.0f}s at batch {batch} for "
+            f"processes {missing}, whose readers never reached it. Each batch spans every process, so "
+            f"{_STOPPED_EARLY} If they are only slower (a long step or eval on some workers), raise sync_timeout_s.")
+
+
+_STOPPED_EARLY = ("a worker that stops iterating early (a break, a return, an error caught in its loop) leaves the "
+                  "others waiting for its share of the next batch. Break out of the loop on every worker together "
+                  "(at the same batch), or iterate to the end everywhere.")
+
+
+class IteratorsOutOfStepError(RuntimeError):
+    """Some process will never read the iterator this one waits in: its loop stopped early or opened fewer."""
+
+    retry_repeats_it = True  # the same loop stops at the same place on every attempt (ray_jax_train.retries)
 
 
 def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: _Agreement, window: int,
@@ -843,7 +898,7 @@ def _synchronised(batches, rows: int, remainder: str, mask_key: str, agreement: 
 _DONE = object()
 
 
-def _prefetched(iterable, depth: int, stop: Optional[threading.Event] = None):
+def _prefetched(iterable, depth: int, stop: Optional[threading.Event] = None, on_wait=None):
     """Run `iterable` (host read + device put) in a thread, `depth` items ahead of the consumer.
 
     The thread starts now, not at the first `next()`: a loop that opens its data before building and compiling
@@ -853,6 +908,8 @@ def _prefetched(iterable, depth: int, stop: Optional[threading.Event] = None):
     waits for it: Ray's split iterator ends its epoch when its generator is closed, and reads the epoch to end from
     the iterator object. Left to garbage collection, an abandoned epoch's close came after the next epoch of the
     same shard had started, ended that one instead, and the next eval got no batch at all.
+
+    `on_wait` is called in the consumer's thread about every second that it waits for an item, and may raise.
     """
     buffer: "queue.Queue" = queue.Queue(maxsize=depth)
     stop = stop or threading.Event()
@@ -883,7 +940,7 @@ def _prefetched(iterable, depth: int, stop: Optional[threading.Event] = None):
 
     thread = threading.Thread(target=produce, name="ray_jax_train-prefetch", daemon=True)
     thread.start()
-    return _Prefetched(buffer, stop, thread)
+    return _Prefetched(buffer, stop, thread, on_wait)
 
 
 _PRODUCER_JOIN_S = 30.0  # a reader blocked past this (on other workers' data) is left to finish on its own
@@ -893,8 +950,9 @@ class _Prefetched:
     """The consumer's side of `_prefetched`: an iterator whose `close()` (also at its end, and at an error) stops
     the reading thread and waits for it to close the readers."""
 
-    def __init__(self, buffer: "queue.Queue", stop: threading.Event, producer: threading.Thread):
+    def __init__(self, buffer: "queue.Queue", stop: threading.Event, producer: threading.Thread, on_wait=None):
         self._buffer, self._stop, self._producer, self._done = buffer, stop, producer, False
+        self._on_wait = on_wait
         # Dropped without close() (a loop that breaks and forgets it): the thread still stops.
         weakref.finalize(self, stop.set)
 
@@ -908,7 +966,16 @@ class _Prefetched:
     def __next__(self):
         if self._done:
             raise StopIteration
-        item = self._buffer.get()
+        while True:
+            try:
+                item = self._buffer.get(timeout=None if self._on_wait is None else 1.0)
+                break
+            except queue.Empty:
+                try:
+                    self._on_wait()
+                except BaseException:
+                    self.close()
+                    raise
         if item is _DONE:
             self.close()
             raise StopIteration

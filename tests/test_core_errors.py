@@ -818,3 +818,81 @@ def test_workers_after_the_first_wait_for_the_coordinator_to_listen():
     started = time.monotonic()
     _wait_for_coordinator(f"127.0.0.1:{port}", 1)  # nothing listens: initialize reports it after this
     assert 0.9 < time.monotonic() - started < 5
+
+
+def test_a_worker_that_stops_iterating_early_fails_the_others_saying_why(ray_cluster, tmp_path):
+    """One rank that stopped reading mid-epoch left the others waiting silently for the whole sync timeout (30
+    minutes), then failing with a bare DEADLINE_EXCEEDED naming a key. Now the others fail at once where it returned
+    or waits in ray.train.report, warn while they wait, and at the deadline say who never came and why. A wait's
+    warning named the waiting process itself (and every later one) as missing."""
+    import ray.data
+    from ray.train import RunConfig
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def loop():
+        import logging
+        import time
+
+        import ray.train
+
+        from ray_jax_train import data
+
+        data._Agreement.warn_after_s = 0.3
+        rank = ray.train.get_context().get_world_rank()
+        warnings = []
+        handler = logging.Handler()
+
+        def emit(record):
+            warnings.append(record.getMessage())
+            (out / f"warned{rank}").touch()
+
+        handler.emit = emit
+        logging.getLogger("ray_jax_train.data").addHandler(handler)
+        mesh = rjt.get_mesh()
+
+        def read(name, then, timeout_s):
+            started = time.monotonic()
+            batches = rjt.iter_jax_batches(name, batch_size=2, mesh=mesh, sync_window=1, sync_timeout_s=timeout_s)
+            try:
+                for i, _ in enumerate(batches):
+                    if rank == 1 and i == 2:
+                        batches.close()
+                        return then()
+            except Exception as exc:  # noqa: BLE001
+                (out / name).touch()
+                return [time.monotonic() - started, f"{type(exc).__name__}: {exc}"]
+
+        def wait_for(flag):
+            for _ in range(200):
+                if (out / flag).exists():
+                    return
+                time.sleep(0.1)
+
+        if rank == 0:
+            wait_for("warned1")  # rank 1 warns that it waits for process 0 to open (only that one)
+        # Rank 1 neither returns nor reports until rank 0 is past the deadline.
+        results = {"deadline": read("a", lambda: wait_for("a"), 2),
+                   "report": read("b", lambda: ray.train.report({}), 30)}
+        if rank == 0:
+            ray.train.report({})  # where rank 1 waits
+        results["returned"] = read("c", lambda: None, 30)
+        (out / f"{rank}.json").write_text(json.dumps({"warnings": warnings, **results}))
+
+    datasets = {name: ray.data.range(20) for name in "abc"}
+    rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=2), datasets=datasets,
+                   run_config=RunConfig(name="early", storage_path=str(tmp_path / "runs"))).fit()
+    first, second = (json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1))
+    opening = [w for w in second["warnings"] if "to open their matching iterator" in w]
+    assert opening and "for processes [0] to open" in opening[0], second["warnings"]
+    assert any("for processes [1] to read their share of batch" in w for w in first["warnings"]), first["warnings"]
+    waited, error = first["deadline"]
+    assert error.startswith("RuntimeError: ") and "for processes [1], whose readers never reached it" in error, error
+    assert "Break out of the loop on every worker together" in error and waited < 10, (waited, error)
+    waited, error = first["report"]
+    assert error.startswith("IteratorsOutOfStepError: ") and "which process 1 will never read: it waits in " \
+        "ray.train.report" in error and waited < 10, (waited, error)
+    waited, error = first["returned"]
+    assert "which process 1 will never read: its training function has already returned" in error, error
+    assert waited < 10, waited
