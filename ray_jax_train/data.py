@@ -25,6 +25,23 @@ REMAINDERS = ("drop", "pad")
 _call_counter = itertools.count()
 
 
+class DataError(Exception):
+    """An error that every attempt would raise again, as it comes from the data or the settings to read it: a column
+    of text, nulls, nested records or ragged rows; values that its dtype cannot hold; columns whose dtype or shape
+    differ between reads or workers; a `dtypes`, `columns` or other setting that does not fit the data. Raised as a
+    `TypeError` or `ValueError` (`DataTypeError`, `DataValueError`), as before."""
+
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries): each attempt reads the same
+
+
+class DataTypeError(DataError, TypeError):
+    """A column whose kind (text, nulls, nested, ragged) cannot become a jax.Array, or a setting of the wrong type."""
+
+
+class DataValueError(DataError, ValueError):
+    """A column whose values, dtype or layout do not fit, or a setting that does not fit the data or the mesh."""
+
+
 _warned_whole_dataset = False
 
 
@@ -41,7 +58,7 @@ def resolve_dataset(dataset) -> Any:
 
             close = difflib.get_close_matches(dataset, given, n=1)
             named = (f"; it was given {given}" + (f" (did you mean {close[0]!r}?)" if close else "")) if given else ""
-            raise ValueError(
+            raise DataValueError(
                 f"No dataset named {dataset!r} was given to the trainer ({exc}){named}. Pass it in "
                 f"JaxTrainer(datasets={{{dataset!r}: ...}}) or use one of the names that were passed."
             ) from None
@@ -58,7 +75,7 @@ def resolve_dataset(dataset) -> Any:
                 "every global batch). Pass the dataset to the trainer (datasets={'train': ds}) and open "
                 "iter_jax_batches('train'): each worker then reads its own shard.", jax.process_count())
         return dataset
-    raise TypeError(
+    raise DataTypeError(
         f"iter_jax_batches needs a dataset name, a ray.data.DataIterator or a ray.data.Dataset, "
         f"got {type(dataset).__name__}."
     )
@@ -84,7 +101,7 @@ def _check_split(name: str, iterator) -> None:
     from ray.data._internal.iterator.stream_split_iterator import StreamSplitDataIterator  # private: import late
 
     if not isinstance(iterator, StreamSplitDataIterator):
-        raise ValueError(
+        raise DataValueError(
             f"Dataset {name!r} is not split between the workers (DataConfig(datasets_to_split=...) leaves it out), "
             f"so each of the {jax.process_count()} processes would read all of it and every global batch would "
             f"hold each row {jax.process_count()} times. Split it (datasets_to_split='all' or a list naming "
@@ -118,11 +135,11 @@ def process_rows(sharding, batch_size: int) -> int:
                f"batch_axes={tuple(data_axes) + tuple(batch_axes)!r} to split it over both." if data_axes else
                f"List the data axes first in the mesh (e.g. {{{batch_axes[0]!r}: ..., {spanning[-1]!r}: ...}}): the "
                "trailing axes stay within a process, the leading ones span the processes.")
-        raise ValueError(
+        raise DataValueError(
             f"The batch axes {batch_axes} lie within each process (all their devices are this process's), so every "
             f"process would hold the whole batch of {batch_size} rows and feed each row {jax.process_count()} "
             f"times; the axes that span the processes are {spanning}. {fix}")
-    raise ValueError(
+    raise DataValueError(
         f"The mesh's batch axes do not split the batch evenly across the {jax.process_count()} processes "
         f"(this process would hold {len(rows)} of {batch_size} rows). Put the data axes (dp/fsdp) first in the "
         "mesh so that each process owns a distinct block of the batch. If they are first, a later axis (tp, "
@@ -156,13 +173,13 @@ def check_batch_size(batch_size: int, mesh, batch_axes: Optional[Sequence[str]] 
     axes = batch_axes_of(mesh, batch_axes)
     shards = math.prod(mesh.shape[name] for name in axes)
     if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size <= 0:
-        raise ValueError(f"Global batch_size={batch_size!r} ({type(batch_size).__name__}) must be a positive "
+        raise DataValueError(f"Global batch_size={batch_size!r} ({type(batch_size).__name__}) must be a positive "
                          f"integer, a multiple of the {shards} batch shards of mesh axes {axes}.")
     batch_size = int(batch_size)
     if batch_size % shards:
         lower = (batch_size // shards) * shards
         hint = f" (e.g. {lower} or {lower + shards})" if lower else f" (e.g. {shards})"
-        raise ValueError(
+        raise DataValueError(
             f"Global batch_size={batch_size} is not divisible by the {shards} batch shards of mesh axes "
             f"{axes} (sizes {[mesh.shape[a] for a in axes]}). Use a multiple of {shards}{hint}."
         )
@@ -217,24 +234,24 @@ def iter_jax_batches(
     import jax
 
     if remainder not in REMAINDERS:
-        raise ValueError(f"remainder={remainder!r}; use one of {REMAINDERS}.")
+        raise DataValueError(f"remainder={remainder!r}; use one of {REMAINDERS}.")
     if prefetch < 1:
-        raise ValueError(f"prefetch={prefetch} must be >= 1.")
+        raise DataValueError(f"prefetch={prefetch} must be >= 1.")
     if not isinstance(sync_window, int) or sync_window < 1:  # 0 would agree on 0 batches forever, never ending
-        raise ValueError(f"sync_window={sync_window!r} must be a positive integer.")
+        raise DataValueError(f"sync_window={sync_window!r} must be a positive integer.")
     # 1.5 skipped every batch, -1 none, without a word (a Python API review).
     if isinstance(skip_batches, bool) or not isinstance(skip_batches, (int, np.integer)) or skip_batches < 0:
-        raise ValueError(f"skip_batches={skip_batches!r} must be a whole number of batches >= 0.")
+        raise DataValueError(f"skip_batches={skip_batches!r} must be a whole number of batches >= 0.")
     if isinstance(columns, str):  # read as its letters: "Columns ['i', 'd'] are not in the dataset"
-        raise TypeError(f"columns={columns!r} must be a list of column names, e.g. columns=[{columns!r}].")
+        raise DataTypeError(f"columns={columns!r} must be a list of column names, e.g. columns=[{columns!r}].")
     if columns is not None and len(columns) == 0:
-        raise ValueError("columns=[] keeps no column, so no batch could hold a row; name the columns to feed, or "
+        raise DataValueError("columns=[] keeps no column, so no batch could hold a row; name the columns to feed, or "
                          "leave columns out for all of them.")
     if local_shuffle_seed is not None and local_shuffle_buffer_size is None:
-        raise ValueError(f"local_shuffle_seed={local_shuffle_seed} shuffles nothing without "
+        raise DataValueError(f"local_shuffle_seed={local_shuffle_seed} shuffles nothing without "
                          "local_shuffle_buffer_size (rows to shuffle among); give both.")
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
+        raise DataTypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
                         f"{type(mesh).__name__}")
     _check_dtypes(dtypes)
     check_batch_size(batch_size, mesh, batch_axes)
@@ -352,10 +369,8 @@ class _RowCount:
         return batch
 
 
-class NoFullBatchError(ValueError):
+class NoFullBatchError(DataValueError):
     """The data read holds fewer rows than one global batch: a loop over it would end at once, as if trained."""
-
-    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries)
 
 
 def _refuse_if_all_dropped(batches, read: _RowCount, local_rows: int, batch_size: int,
@@ -433,7 +448,7 @@ def _check_dtypes(dtypes) -> None:
             np.dtype(dtype)
         except TypeError as exc:
             what = f"column {column!r}" if column != "every column" else column
-            raise ValueError(f"dtypes: {dtype!r} for {what} is not a dtype ({exc}); e.g. np.int32, 'float32' or "
+            raise DataValueError(f"dtypes: {dtype!r} for {what} is not a dtype ({exc}); e.g. np.int32, 'float32' or "
                              "jnp.bfloat16") from None
 
 
@@ -441,12 +456,12 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
     if isinstance(dtypes, Mapping) and batch:
         unknown = [c for c in dtypes if c not in batch or (columns is not None and c not in columns)]
         if unknown:  # a misspelt column would keep its dtype, silently
-            raise ValueError(f"dtypes names columns {unknown} that the batches do not have; they have "
+            raise DataValueError(f"dtypes names columns {unknown} that the batches do not have; they have "
                              f"{sorted(columns if columns is not None else batch)}.")
     if columns is not None:
         missing = [c for c in columns if c not in batch]
         if missing:
-            raise ValueError(f"Columns {missing} are not in the dataset; it has {sorted(batch)}.")
+            raise DataValueError(f"Columns {missing} are not in the dataset; it has {sorted(batch)}.")
         batch = {c: batch[c] for c in columns}
     out = {}
     for key, value in batch.items():
@@ -459,10 +474,10 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
             try:
                 value = value.astype(dtype if dtype is not None else np.float64)
             except ValueError:
-                raise TypeError(f"Column {key!r} holds text ({text}), which cannot become a jax.Array. "
+                raise DataTypeError(f"Column {key!r} holds text ({text}), which cannot become a jax.Array. "
                                 f"{_TEXT_HINT}") from None
             if dtype is None:
-                raise TypeError(f"Column {key!r} holds numbers written as text ({text}). Give it a dtypes "
+                raise DataTypeError(f"Column {key!r} holds numbers written as text ({text}). Give it a dtypes "
                                 f"entry (dtypes={{{key!r}: 'float32'}}) to convert them, or convert them in a "
                                 "map_batches step first.")
         _check_integers_fit(key, value, dtype)
@@ -515,7 +530,7 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     if low < info.min or high > info.max:
         wider = (f"64-bit integers on the devices: {_X64_FIX}" if target != requested else
                  f"an integer dtypes entry that holds them (dtypes={{{key!r}: ...}})")
-        raise ValueError(
+        raise DataValueError(
             f"Column {key!r} holds {value.dtype} values from {low} to {high}, outside {target}'s range "
             f"[{info.min}, {info.max}], to which it is converted on the way to the devices (it would wrap silently). "
             f"Fix the data (e.g. renumber the ids into a smaller range), or use {wider}; not a float dtype, which "
@@ -550,7 +565,7 @@ def _check_no_overflow_to_inf(key: str, value: np.ndarray, target: np.dtype, *, 
     if biggest >= limit:
         fix = (f"keep 64-bit floats on the devices ({_X64_FIX})" if narrowed_by_jax else
                f"use a dtypes entry that holds them (e.g. dtypes={{{key!r}: 'float32'}})")
-        raise ValueError(
+        raise DataValueError(
             f"Column {key!r} holds {value.dtype} values up to {biggest:g}, past {target}'s largest "
             f"({float(info.max):g}), to which it is converted on the way to the devices: they would become inf, "
             f"silently. Scale them first, or {fix}.")
@@ -560,7 +575,7 @@ def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype)
     """A `dtypes` entry that casts floats to integers or bools: numpy turns NaN (a null) into -2**31 or True and
     wraps values out of range, silently (a data review)."""
     if not np.isfinite(value).all():
-        raise ValueError(
+        raise DataValueError(
             f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds NaN or inf: a null in an "
             f"integer column arrives as NaN, which the cast would turn into "
             f"{'True' if target.kind == 'b' else 'an arbitrary integer'}, silently. Fill or drop the nulls in a "
@@ -569,7 +584,7 @@ def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype)
         info = np.iinfo(target)
         low, high = value.min(), value.max()
         if low < info.min or high > info.max or not np.array_equal(value, np.trunc(value)):
-            raise ValueError(
+            raise DataValueError(
                 f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds values from {low} to "
                 f"{high}{'' if np.array_equal(value, np.trunc(value)) else ' and fractions'}, which the cast "
                 f"would {'wrap' if low < info.min or high > info.max else 'truncate'} silently. Use a dtype that "
@@ -596,12 +611,12 @@ class _ColumnLayout:
                 self.first = layout
                 self.text = json.dumps([[key, dtype, list(shape)] for key, (dtype, shape) in layout.items()])
             elif set(layout) != set(self.first):
-                raise ValueError(f"iter_jax_batches: the batches' columns changed from {sorted(self.first)} to "
+                raise DataValueError(f"iter_jax_batches: the batches' columns changed from {sorted(self.first)} to "
                                  f"{sorted(layout)}; every read must have the same columns (select them with "
                                  "columns=[...]).")
             elif layout != self.first:
                 changed = [key for key in layout if layout[key] != self.first.get(key)]
-                raise ValueError(
+                raise DataValueError(
                     "iter_jax_batches: " + "; ".join(
                         f"column {key!r} arrived as {self.first[key][0]} rows of shape {self.first[key][1]} in "
                         f"earlier reads and as {layout[key][0]} of shape {layout[key][1]} now"
@@ -634,26 +649,26 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
     first = value[0] if len(value) else None
     nulls = [i for i, item in enumerate(value) if item is None]
     if nulls:
-        raise TypeError(
+        raise DataTypeError(
             f"Column {key!r} holds nulls (None, in {len(nulls)} of the {len(value)} rows of this read), which cannot "
             "become part of a jax.Array. Fill or drop them in a map_batches/filter step first, or drop the column "
             "with columns=[...].")
     if isinstance(first, Mapping):
-        raise TypeError(
+        raise DataTypeError(
             f"Column {key!r} holds nested records (dicts with keys {sorted(first)[:8]}), which cannot become one "
             "jax.Array. Flatten them into columns of their own in a map_batches step first (e.g. "
             f"batch['{key}_{sorted(first)[0] if first else 'x'}'] = ...), or drop the column with columns=[...].")
     if isinstance(first, (str, bytes)) and (stacked is None or stacked.dtype.kind in "USO"):
-        raise TypeError(f"Column {key!r} holds text ({type(first).__name__}), which cannot become a jax.Array. "
+        raise DataTypeError(f"Column {key!r} holds text ({type(first).__name__}), which cannot become a jax.Array. "
                         f"{_TEXT_HINT}")
     if stacked is None:
         shapes = sorted({_shape_of(item) for item in value}, key=str)
-        raise TypeError(
+        raise DataTypeError(
             f"Column {key!r} holds rows of different shapes ({', '.join(map(str, shapes[:4]))}"
             f"{', ...' if len(shapes) > 4 else ''}), which cannot become one jax.Array. Pad them to one length in "
             "a map_batches step first (with a mask column if the padding must not count), or drop the column with "
             "columns=[...].")
-    raise TypeError(
+    raise DataTypeError(
         f"Column {key!r} holds {value[0].__class__.__name__} values of varying shape or a non-numeric type, "
         "which cannot become a jax.Array. Tokenise/pad it in a map_batches step first, or drop it with "
         "columns=[...].")
@@ -661,7 +676,7 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
 
 def _pad(batch: Dict[str, np.ndarray], rows: int, mask_key: str) -> Dict[str, np.ndarray]:
     if mask_key in batch:  # the mask would replace the data's own column, silently
-        raise ValueError(f"remainder='pad' adds a boolean column {mask_key!r} that marks real rows, but the data has "
+        raise DataValueError(f"remainder='pad' adds a boolean column {mask_key!r} that marks real rows, but the data has "
                          f"a column {mask_key!r} already. Pass mask_key='...' with another name, or rename the "
                          "column.")
     have = len(next(iter(batch.values())))
@@ -746,7 +761,7 @@ class _Agreement:
         values = [int(count) for count, _, _ in answers]
         self.layouts = {p: text for p, (_, _, text) in enumerate(answers) if text}
         if len(set(self.layouts.values())) > 1:
-            raise ValueError(
+            raise DataValueError(
                 "iter_jax_batches: the processes' batches differ in their columns' dtypes or row shapes, which "
                 "would join into a corrupted global batch: " + "; ".join(
                     f"process {p}: {' '.join(f'{k}:{d}{list(shape)}' for k, d, shape in json.loads(text))[:300]}"

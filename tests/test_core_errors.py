@@ -896,3 +896,56 @@ def test_a_worker_that_stops_iterating_early_fails_the_others_saying_why(ray_clu
     waited, error = first["returned"]
     assert "which process 1 will never read: its training function has already returned" in error, error
     assert waited < 10, waited
+
+
+def test_data_errors_end_the_run_at_the_first_attempt():
+    """Columns iter_jax_batches refuses (text, nested, ragged, nulls, overflow, a dtypes typo, a changed layout) were
+    plain TypeError/ValueError: FailureConfig retried them, forever with max_failures=-1, each attempt reading the
+    same data. They stay TypeError/ValueError, and say that a retry repeats them."""
+    import pickle
+    import re
+
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from ray_jax_train.data import _ColumnLayout, _select
+    from ray_jax_train.retries import RetriesSkipRepeatedErrors, marking_repeated_errors
+
+    def objects(*items):
+        column = np.empty(len(items), dtype=object)
+        column[:] = items
+        return column
+
+    bad = [({"t": objects("a", "b")}, None, TypeError, "holds text"),
+           ({"n": objects({"x": 1}, {"x": 2})}, None, TypeError, "nested records"),
+           ({"r": objects([1, 2], [3])}, None, TypeError, "rows of different shapes"),
+           ({"z": objects(1, None)}, None, TypeError, "holds nulls"),
+           ({"f": np.array([1e6])}, {"f": np.float16}, ValueError, "would become inf"),
+           ({"f": np.array([1.5])}, {"g": np.float32}, ValueError, "dtypes names columns ['g']"),
+           ({"f": np.array([np.nan])}, {"f": np.int32}, ValueError, "holds NaN")]
+    raised = []
+    for batch, dtypes, kind, fragment in bad:
+        with pytest.raises(kind, match=re.escape(fragment)) as error:
+            _select(batch, None, dtypes)
+        raised.append(error.value)
+    with pytest.raises(ValueError, match="arrived as int64") as error:
+        list(_ColumnLayout().checked(iter([{"x": np.arange(2)}, {"x": np.arange(2.0)}])))
+    raised.append(error.value)
+    with pytest.raises(ValueError, match="is not a dtype") as error:
+        rjt.iter_jax_batches("train", batch_size=4, mesh=rjt.make_mesh({"dp": -1}), dtypes={"id": "int33"})
+    raised.append(error.value)
+
+    def as_the_controller_gets_it(error):
+        def loop():
+            raise error
+
+        try:
+            marking_repeated_errors(loop)()
+        except BaseException as exc:  # noqa: BLE001
+            return pickle.loads(pickle.dumps(exc))
+
+    for error in raised:
+        policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
+        failed = WorkerGroupError("failed", {0: as_the_controller_gets_it(error)})
+        assert policy.make_decision(failed) == FailureDecision.RAISE, error
