@@ -174,7 +174,7 @@ def check_batch_size(batch_size: int, mesh, batch_axes: Optional[Sequence[str]] 
     shards = math.prod(mesh.shape[name] for name in axes)
     if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size <= 0:
         raise DataValueError(f"Global batch_size={batch_size!r} ({type(batch_size).__name__}) must be a positive "
-                         f"integer, a multiple of the {shards} batch shards of mesh axes {axes}.")
+                             f"integer, a multiple of the {shards} batch shards of mesh axes {axes}.")
     batch_size = int(batch_size)
     if batch_size % shards:
         lower = (batch_size // shards) * shards
@@ -246,13 +246,13 @@ def iter_jax_batches(
         raise DataTypeError(f"columns={columns!r} must be a list of column names, e.g. columns=[{columns!r}].")
     if columns is not None and len(columns) == 0:
         raise DataValueError("columns=[] keeps no column, so no batch could hold a row; name the columns to feed, or "
-                         "leave columns out for all of them.")
+                             "leave columns out for all of them.")
     if local_shuffle_seed is not None and local_shuffle_buffer_size is None:
         raise DataValueError(f"local_shuffle_seed={local_shuffle_seed} shuffles nothing without "
-                         "local_shuffle_buffer_size (rows to shuffle among); give both.")
+                             "local_shuffle_buffer_size (rows to shuffle among); give both.")
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise DataTypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), got "
-                        f"{type(mesh).__name__}")
+        raise DataTypeError(f"mesh must be a jax.sharding.Mesh (rjt.get_mesh() in a worker, or rjt.make_mesh(...)), "
+                            f"got {type(mesh).__name__}")
     _check_dtypes(dtypes)
     check_batch_size(batch_size, mesh, batch_axes)
     batch_size = int(batch_size)  # a numpy integer passes the check, and goes into JSON and shapes below
@@ -449,7 +449,7 @@ def _check_dtypes(dtypes) -> None:
         except TypeError as exc:
             what = f"column {column!r}" if column != "every column" else column
             raise DataValueError(f"dtypes: {dtype!r} for {what} is not a dtype ({exc}); e.g. np.int32, 'float32' or "
-                             "jnp.bfloat16") from None
+                                 "jnp.bfloat16") from None
 
 
 def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarray]:
@@ -457,7 +457,7 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
         unknown = [c for c in dtypes if c not in batch or (columns is not None and c not in columns)]
         if unknown:  # a misspelt column would keep its dtype, silently
             raise DataValueError(f"dtypes names columns {unknown} that the batches do not have; they have "
-                             f"{sorted(columns if columns is not None else batch)}.")
+                                 f"{sorted(columns if columns is not None else batch)}.")
     if columns is not None:
         missing = [c for c in columns if c not in batch]
         if missing:
@@ -466,23 +466,40 @@ def _select(batch: Dict[str, np.ndarray], columns, dtypes) -> Dict[str, np.ndarr
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
+        was = value.dtype
         if value.dtype == object:
+            was = type(value[0]).__name__ if len(value) else "object"  # "str", as before it was stacked
             value = _stack_object_column(key, value)
         dtype = dtypes.get(key) if isinstance(dtypes, Mapping) else dtypes
         if value.dtype.kind in "US":  # numbers written as text convert with a dtypes entry; other text cannot
-            text = value.dtype
-            try:
-                value = value.astype(dtype if dtype is not None else np.float64)
-            except ValueError:
-                raise DataTypeError(f"Column {key!r} holds text ({text}), which cannot become a jax.Array. "
-                                f"{_TEXT_HINT}") from None
-            if dtype is None:
-                raise DataTypeError(f"Column {key!r} holds numbers written as text ({text}). Give it a dtypes "
-                                f"entry (dtypes={{{key!r}: 'float32'}}) to convert them, or convert them in a "
-                                "map_batches step first.")
+            value = _parse_numbers(key, value, dtype, was)
         _check_integers_fit(key, value, dtype)
         out[key] = value.astype(dtype, copy=False) if dtype is not None else value
     return out
+
+
+def _parse_numbers(key: str, value: np.ndarray, dtype, was) -> np.ndarray:
+    """A text column as numbers, for the checks and the cast that follow. Integers parse as integers (ids past
+    2**53 would round as floats); anything else as float64, not as the dtype itself: numpy's text -> bool cast
+    makes "0" True."""
+    text, target = was, np.dtype(dtype) if dtype is not None else None
+    try:
+        try:
+            parsed = value.astype(target if target is not None and target.kind in "iu" else np.float64)
+        except ValueError:  # "1.5" for an integer dtype: as a float, the check that follows says it has fractions
+            parsed = value.astype(np.float64)
+    except ValueError as exc:
+        unparsed = f" ({exc})" if dtype is not None else ""
+        raise DataTypeError(f"Column {key!r} holds text ({text}), which cannot become a jax.Array{unparsed}. "
+                            f"{_TEXT_HINT}") from None
+    except OverflowError as exc:
+        raise DataValueError(f"dtypes converts column {key!r}, numbers written as text, to {target}, which cannot "
+                             f"hold them ({exc}). Use a dtype that holds them.") from None
+    if dtype is None:
+        raise DataTypeError(f"Column {key!r} holds numbers written as text ({text}). Give it a dtypes entry "
+                            f"(dtypes={{{key!r}: 'float32'}}) to convert them, or convert them in a map_batches "
+                            "step first.")
+    return parsed
 
 
 def _on_device(dtype) -> np.dtype:
@@ -507,6 +524,9 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
         return
     if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub":
         _check_floats_become_integers(key, value, np.dtype(dtype))
+        return
+    if value.dtype.kind in "iu" and dtype is not None and np.dtype(dtype).kind == "b":
+        _check_zeros_and_ones(key, value)
         return
     requested = np.dtype(dtype) if dtype is not None else value.dtype
     target = _on_device(requested)
@@ -580,6 +600,8 @@ def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype)
             f"integer column arrives as NaN, which the cast would turn into "
             f"{'True' if target.kind == 'b' else 'an arbitrary integer'}, silently. Fill or drop the nulls in a "
             "map_batches step first.")
+    if target.kind == "b":
+        _check_zeros_and_ones(key, value)
     if target.kind in "iu":
         info = np.iinfo(target)
         low, high = value.min(), value.max()
@@ -589,6 +611,18 @@ def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype)
                 f"{high}{'' if np.array_equal(value, np.trunc(value)) else ' and fractions'}, which the cast "
                 f"would {'wrap' if low < info.min or high > info.max else 'truncate'} silently. Use a dtype that "
                 "holds them, or round them yourself first.")
+
+
+def _check_zeros_and_ones(key: str, value: np.ndarray) -> None:
+    """A cast to bool makes every value but 0 True: ids 0..19 became one False and nineteen Trues, 0.5 True,
+    silently (a data review)."""
+    others = np.unique(value[(value != 0) & (value != 1)])
+    if others.size:
+        raise DataValueError(
+            f"dtypes casts column {key!r} from {value.dtype} to bool, but it holds values other than 0 and 1 "
+            f"({', '.join(map(str, others[:4].tolist()))}{', ...' if others.size > 4 else ''}), which the cast "
+            "would make True, silently. Turn them into 0 and 1 (a comparison, batch[...] > threshold) in a "
+            f"map_batches step first, or give column {key!r} a dtype that holds them.")
 
 
 class _ColumnLayout:
@@ -612,8 +646,8 @@ class _ColumnLayout:
                 self.text = json.dumps([[key, dtype, list(shape)] for key, (dtype, shape) in layout.items()])
             elif set(layout) != set(self.first):
                 raise DataValueError(f"iter_jax_batches: the batches' columns changed from {sorted(self.first)} to "
-                                 f"{sorted(layout)}; every read must have the same columns (select them with "
-                                 "columns=[...]).")
+                                     f"{sorted(layout)}; every read must have the same columns (select them with "
+                                     "columns=[...]).")
             elif layout != self.first:
                 changed = [key for key in layout if layout[key] != self.first.get(key)]
                 raise DataValueError(
@@ -644,8 +678,10 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
         stacked = np.stack([np.asarray(item) for item in value])
     except ValueError:
         stacked = None
-    if stacked is not None and stacked.dtype != object and stacked.dtype.kind not in "USO":
-        return stacked  # the usual case: what follows only explains a failure, row by row
+    if stacked is not None and stacked.dtype != object:
+        # The usual case: what follows only explains a failure, row by row. Text goes on too, as Ray Data hands
+        # string columns over as objects: numbers written as text convert with a dtypes entry (`_parse_numbers`).
+        return stacked
     first = value[0] if len(value) else None
     nulls = [i for i, item in enumerate(value) if item is None]
     if nulls:
@@ -660,7 +696,7 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
             f"batch['{key}_{sorted(first)[0] if first else 'x'}'] = ...), or drop the column with columns=[...].")
     if isinstance(first, (str, bytes)) and (stacked is None or stacked.dtype.kind in "USO"):
         raise DataTypeError(f"Column {key!r} holds text ({type(first).__name__}), which cannot become a jax.Array. "
-                        f"{_TEXT_HINT}")
+                            f"{_TEXT_HINT}")
     if stacked is None:
         shapes = sorted({_shape_of(item) for item in value}, key=str)
         raise DataTypeError(
@@ -676,9 +712,9 @@ def _stack_object_column(key: str, value: np.ndarray) -> np.ndarray:
 
 def _pad(batch: Dict[str, np.ndarray], rows: int, mask_key: str) -> Dict[str, np.ndarray]:
     if mask_key in batch:  # the mask would replace the data's own column, silently
-        raise DataValueError(f"remainder='pad' adds a boolean column {mask_key!r} that marks real rows, but the data has "
-                         f"a column {mask_key!r} already. Pass mask_key='...' with another name, or rename the "
-                         "column.")
+        raise DataValueError(f"remainder='pad' adds a boolean column {mask_key!r} that marks real rows, but the data "
+                             f"has a column {mask_key!r} already. Pass mask_key='...' with another name, or rename the "
+                             "column.")
     have = len(next(iter(batch.values())))
     out = {}
     for key, value in batch.items():

@@ -949,3 +949,31 @@ def test_data_errors_end_the_run_at_the_first_attempt():
         policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
         failed = WorkerGroupError("failed", {0: as_the_controller_gets_it(error)})
         assert policy.make_decision(failed) == FailureDecision.RAISE, error
+
+
+def test_numbers_written_as_text_convert_with_dtypes_and_casts_to_bool_are_checked(ray_cluster):
+    """Ray Data hands a string column over as objects, which were refused as text before a dtypes entry could
+    convert them (as the README says they do); without one, the error now points to it. A cast to bool made every
+    value but 0 True: ids 0..7 became one False and seven Trues, 0.5 True, silently."""
+    import ray.data
+
+    mesh = rjt.make_mesh({"dp": -1})
+    rows = ray.data.from_items([{"id": i, "num": str(i * 1.5), "half": i / 2, "flag": i % 2} for i in range(8)])
+
+    def first(**kwargs):
+        return {k: np.asarray(v) for k, v in next(iter(rjt.iter_jax_batches(rows, batch_size=4, mesh=mesh,
+                                                                            **kwargs))).items()}
+
+    batch = first(columns=["num", "flag"], dtypes={"num": np.float32, "flag": bool})
+    assert batch["num"].dtype == np.float32 and batch["num"].tolist() == [0.0, 1.5, 3.0, 4.5]
+    assert batch["flag"].tolist() == [False, True, False, True]
+    with pytest.raises(TypeError, match=r"Column 'num' holds numbers written as text.*dtypes=\{'num': 'float32'\}"):
+        first(columns=["num"])
+    with pytest.raises(ValueError, match=r"casts column 'id' from int64 to bool, but it holds values other than 0 "
+                                         r"and 1 \(2, 3, 4, 5, \.\.\.\)"):
+        first(columns=["id"], dtypes={"id": bool})
+    with pytest.raises(ValueError, match=r"casts column 'half' from float64 to bool.*other than 0 and 1 \(0.5, 1.5"):
+        first(columns=["half"], dtypes={"half": bool})
+    texts = ray.data.from_items([{"word": w} for w in ("a", "b", "c", "d")])
+    with pytest.raises(TypeError, match="Column 'word' holds text.*Tokenise it"):
+        next(iter(rjt.iter_jax_batches(texts, batch_size=4, mesh=mesh, dtypes={"word": np.float32})))
