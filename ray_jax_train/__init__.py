@@ -7,7 +7,8 @@ transformers before its loop asks for them.
 import importlib
 
 from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
-from ray_jax_train.data import NoFullBatchError, batch_sharding, iter_jax_batches
+from ray_jax_train.data import (DataError, DataTypeError, DataValueError, IteratorsOutOfStepError, NoFullBatchError,
+                                batch_sharding, iter_jax_batches)
 from ray_jax_train.data_config import JaxDataConfig
 from ray_jax_train.mesh import get_mesh, make_mesh
 from ray_jax_train.trainer import JaxTrainer, init_ray
@@ -68,7 +69,8 @@ _LAZY = {
 }
 
 __all__ = ["JaxConfig", "JaxDataConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
-           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", *_LAZY]
+           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", "DataError",
+           "DataTypeError", "DataValueError", "IteratorsOutOfStepError", *_LAZY]
 
 
 # Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.
