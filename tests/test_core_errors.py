@@ -889,13 +889,14 @@ def test_a_worker_that_stops_iterating_early_fails_the_others_saying_why(ray_clu
     assert any("for processes [1] to read their share of batch" in w for w in first["warnings"]), first["warnings"]
     waited, error = first["deadline"]
     assert error.startswith("RuntimeError: ") and "for processes [1], whose readers never reached it" in error, error
-    assert "Break out of the loop on every worker together" in error and waited < 10, (waited, error)
+    # Bounds against the hang, not timings: 2 s is this phase's deadline, 30 s the others' (a loaded CI machine).
+    assert "Break out of the loop on every worker together" in error and waited < 20, (waited, error)
     waited, error = first["report"]
     assert error.startswith("IteratorsOutOfStepError: ") and "which process 1 will never read: it waits in " \
-        "ray.train.report" in error and waited < 10, (waited, error)
+        "ray.train.report" in error and waited < 20, (waited, error)
     waited, error = first["returned"]
     assert "which process 1 will never read: its training function has already returned" in error, error
-    assert waited < 10, waited
+    assert waited < 20, waited
 
 
 def test_data_errors_end_the_run_at_the_first_attempt():
