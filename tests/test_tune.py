@@ -385,7 +385,7 @@ def test_a_new_search_under_an_old_name_sets_the_old_one_aside(tmp_path):
 
 
 def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, capsys):
-    """Ctrl-C during the second of 3 trials (1 at a time), then `tune --resume`. Before, Ctrl-C printed "search
+    """Ctrl-C during the second of 2 trials (1 at a time), then `tune --resume`. Before, Ctrl-C printed "search
     done" with the half-trained trial as the best, and running the search again started all its trials anew."""
     import yaml
 
@@ -397,8 +397,9 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
     config["data"]["max_docs"] = 30
     config["training"].update(log_steps=2, save_steps=4)
     config["run"].update(storage_path=str(tmp_path), max_failures=1)  # a lost trial actor is retried once
-    # The long middle trial is interrupted after its first checkpoint; the last has not started by then.
-    config["tune"] = {"name": "resumable", "param_space": {"training.total_steps": {"grid_search": [4, 40, 6]}},
+    # The long second trial is interrupted after its first checkpoint. (A third, not started by then, ran on resume
+    # too: Tune's own part, cut for the suite's time.)
+    config["tune"] = {"name": "resumable", "param_space": {"training.total_steps": {"grid_search": [4, 40]}},
                       "max_concurrent_trials": 1, "scheduler": {"type": "fifo"}}
     path = tmp_path / "search.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -426,7 +427,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
                 search.kill()
     first = log.read_text()
     assert "SIGTERM received" not in first, first[-3000:]  # Ray ending the trials' workers is no preemption
-    assert "interrupted with 2 of 3 trials unfinished" in first and f"tune {path} --resume" in first, first[-3000:]
+    assert "interrupted with 1 of 2 trials unfinished" in first and f"tune {path} --resume" in first, first[-3000:]
     assert "search done" not in first and not (experiment / "best.json").exists()
     (short,), (long,) = run_dirs(4), run_dirs(40)
     short_records = (short / "metrics.jsonl").read_text()
@@ -463,15 +464,15 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
             if search.poll() is None:
                 search.kill()
     resumed = resumed_log.read_text()
-    assert "trials:      3 (0 failed" in resumed and "Resuming the search" in resumed, resumed[-3000:]
-    assert re.search(r"trials:      3 \(0 failed; \d+s since the resume\)", resumed), resumed[-3000:]
+    assert "trials:      2 (0 failed" in resumed and "Resuming the search" in resumed, resumed[-3000:]
+    assert re.search(r"trials:      2 \(0 failed; \d+s since the resume\)", resumed), resumed[-3000:]
     # The summary says which trial rode over failures: the long one resumed twice (the search, then its lost actor).
     assert re.search(r"total_steps=40: .*finished, resumed 2 times \(from step \d+, \d+\)", resumed), resumed[-3000:]
     assert not re.search(r"total_steps=4: .*resumed", resumed), resumed[-3000:]
     # The finished trial was not run again, and no trial got a new id (a new Train run).
     assert (short / "metrics.jsonl").read_text() == short_records
     assert next(experiment.glob("trial_*_total_steps=4_*/result.json")).read_text() == short_results
-    assert len(list(experiment.glob("trial_*"))) == 3 and len(list(tmp_path.glob("resumable-*"))) == 3
+    assert len(list(experiment.glob("trial_*"))) == 2 and len(list(tmp_path.glob("resumable-*"))) == 2
     # The interrupted trial resumed from its checkpoint: step 2 (before the first checkpoint) was trained once.
     lines = [json.loads(line) for line in (long / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in lines if "step" in r]
