@@ -345,6 +345,10 @@ def _check_storage_usable(path: str, make: bool = True) -> None:
     from ray_jax_train.run_config import ConfigError
     from ray_jax_train.storage import in_ray_package_cache, is_uri
 
+    if path.startswith("file://"):  # a local path all the same: a file there failed 20 s in, once Ray was up
+        from urllib.parse import unquote, urlparse
+
+        path = unquote(urlparse(path).path)
     if is_uri(path) or in_ray_package_cache(path):  # a job's copy: refused or warned once Ray is up, unwritten
         return
     blocked = path

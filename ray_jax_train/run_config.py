@@ -1064,6 +1064,10 @@ def check_data_columns(config: ExperimentConfig) -> None:
 
     text_column = config.training.get("text_column", "text")
     messages_column = config.training.get("messages_column", "messages")
+    if config.data.source == "stdlib" and text_column != "text":  # found 30 s in, once Ray had read the corpus
+        raise ConfigError(f"training.text_column={text_column!r}, but data.source is the built-in stdlib corpus, "
+                          "whose rows hold their text in 'text'; leave training.text_column out, or set data.source "
+                          "to your own files")
     for which in ("source", "eval_source"):
         paths = config.data.paths(which)
         if paths and not any(is_uri(p) for p in paths):

@@ -866,6 +866,11 @@ def test_storage_the_driver_cannot_write_exits_2_and_the_resume_hint_pastes_back
         assert code == 2 and f"run.storage_path: {blocked} is a file" in err, err
     code, out, _ = run(["config", "validate", TINY, "--set", f"run.storage_path={tmp_path / 'new' / 'runs'}"], capsys)
     assert code == 0 and "valid" in out and not (tmp_path / "new").exists()
+    code, _, err = run(["config", "validate", TINY, "--set", f"run.storage_path=file://{blocked}"], capsys)
+    assert code == 2 and f"run.storage_path: {blocked} is a file" in err, err  # a file:// URI is a local path
+    # The stdlib corpus's text is in 'text': another text_column failed once Ray had read it (a CLI review).
+    code, _, err = run(["config", "validate", TINY, "--set", "training.text_column=body"], capsys)
+    assert code == 2 and "training.text_column='body', but data.source is the built-in stdlib corpus" in err, err
     # fit of a search's config trains once with its own values: said (it was silent; a CLI review).
     code, _, err = run(["fit", os.path.join(REPO, "examples", "tune_tiny_llama.yaml"), "--set",
                         f"run.storage_path={blocked}"], capsys)
