@@ -1075,7 +1075,10 @@ def check_data_columns(config: ExperimentConfig) -> None:
                 plan_reads(paths)
             except (TextDataError, OSError) as exc:
                 raise ConfigError(f"data.{which}: {exc}") from None
-        peeked = peek_columns_each(config.data.paths(which))
+        try:
+            peeked = peek_columns_each(config.data.paths(which))
+        except TextDataError as exc:
+            raise ConfigError(f"data.{which}: {exc}") from None
         if not peeked:
             continue
         first, columns = peeked[0]
@@ -1103,8 +1106,18 @@ def check_data_columns(config: ExperimentConfig) -> None:
 def _check_model_vocab_fits_tokenizer(config: ExperimentConfig) -> None:
     """A model.vocab_size below a local tokenizer's size, said before Ray starts (it was, 30 s in)."""
     vocab_size = config.model_fields_set_values().get("vocab_size")
+    if vocab_size is None or (config.tune is not None and "model.vocab_size" in config.tune.param_space):
+        return  # searched values are checked against the tokenizer once the driver has it
     tokenizer_dir = config.tokenizer.path or init_tokenizer_dir(config)
-    if vocab_size is None or tokenizer_dir is None or is_uri(tokenizer_dir):
+    if tokenizer_dir is None and int(vocab_size) < config.tokenizer.vocab_size:
+        # Trained at run time, up to tokenizer.vocab_size tokens: on any corpus of some size it reaches that, and
+        # the run failed 20-30 s in, once Ray was up and the tokenizer trained (a CLI review).
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is below tokenizer.vocab_size={config.tokenizer.vocab_size}: the "
+            f"tokenizer trained at run time gives ids up to {config.tokenizer.vocab_size - 1}, and each needs a row "
+            "in the model's embedding. Leave model.vocab_size out (it follows the tokenizer), or set "
+            f"tokenizer.vocab_size to at most {vocab_size}.")
+    if tokenizer_dir is None or is_uri(tokenizer_dir):
         return
     from ray_jax_train.lm.data import check_tokenizer_fits
     from ray_jax_train.text import ensure_pad_token, load_tokenizer

@@ -1109,6 +1109,10 @@ def test_paths_that_are_files_or_hold_no_tokenizer_exit_2_saying_so(tmp_path, ca
     code, _, err = run(["config", "validate", TINY, "--set", f"tokenizer.path={tmp_path / 'tok'}", "--set",
                         "model.vocab_size=100"], capsys)  # said 30 s into `fit`, with Ray up
     assert code == 2 and "model.vocab_size: The tokenizer gives ids up to" in err, err
+    # The same for a tokenizer trained at run time, up to tokenizer.vocab_size: it failed 20-30 s into `fit`.
+    code, _, err = run(["config", "validate", TINY, "--set", "model.vocab_size=299"], capsys)  # TINY's: 300
+    assert code == 2 and "model.vocab_size=299 is below tokenizer.vocab_size=300" in err, err
+    assert run(["config", "validate", TINY, "--set", "model.vocab_size=300"], capsys)[0] == 0
     for key, path, said in cases:
         code, _, err = run(["config", "validate", TINY, "--set", f"{key}={path}"], capsys)
         assert code == 2 and key in err and said in err, err
@@ -1122,9 +1126,19 @@ def test_data_files_that_hold_nothing_to_read_exit_2_before_ray(tmp_path, capsys
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.md").write_text("# notes")
     cases = {"empty.jsonl": "every file in", "nothing": "no files found under", "notes": "cannot tell the file format"}
+    # JSON lines are read line by line: a line that is not one JSON object, or a byte-order mark, failed the read
+    # once Ray was up (a CLI review). Arrow reads a .json, which may spread an object over lines or start with a BOM.
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": "b", cut\n{"text": "c"}\n')
+    (tmp_path / "bom.jsonl").write_text('{"text": "a"}\n', encoding="utf-8-sig")
+    cases["broken.jsonl"] = (f"The first row that cannot be read as a document: {tmp_path / 'broken.jsonl'}, line 2: "
+                             "not a JSON object")
+    cases["bom.jsonl"] = f"{tmp_path / 'bom.jsonl'} starts with a UTF-8 byte-order mark"
     for name, said in cases.items():
         code, _, err = run(["config", "validate", TINY, "--set", f"data.source={tmp_path / name}"], capsys)
         assert code == 2 and f"data.source: {said}" in err, err
+    (tmp_path / "fine").mkdir()
+    (tmp_path / "fine" / "spread.json").write_text('{\n  "text": "a"\n}\n', encoding="utf-8-sig")
+    assert run(["config", "validate", TINY, "--set", f"data.source={tmp_path / 'fine'}"], capsys)[0] == 0
 
 
 def test_a_run_stopped_before_ray_registered_a_checkpoint_resumes_from_its_finished_one(tmp_path, capsys):

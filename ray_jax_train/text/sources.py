@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from .. import storage
 from .errors import EmptyDatasetError, MissingColumnError, TextDataError
+from .locate import BAD_ROW_FOUND
 
 # File suffix -> reader; compressed variants (.jsonl.gz, ...) map like their inner suffix.
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -118,8 +119,7 @@ def _read_files(found: list[tuple[str, int]], format: str):
         files = ["local://" + os.path.abspath(f) for f in files]
     if format == "json":
         # JSON lines stream line by line; a plain .json may also be one top-level array.
-        return ray.data.read_json(files, lines=all(".jsonl" in f.split("?")[0].rsplit("/", 1)[-1].lower()
-                                                   for f in files))
+        return ray.data.read_json(files, lines=_read_as_json_lines(files))
     if format == "parquet":
         return ray.data.read_parquet(files)
     if format == "text":
@@ -127,6 +127,12 @@ def _read_files(found: list[tuple[str, int]], format: str):
     if format == "csv":
         return ray.data.read_csv(files)  # a header row names the columns
     raise ValueError(f"unknown format {format!r}; use 'json', 'parquet', 'csv' or 'text'")
+
+
+def _read_as_json_lines(files: Sequence[str]) -> bool:
+    """JSON files are read line by line (pandas) when all are .jsonl, else by Arrow (which also reads a top-level
+    array and objects spread over lines)."""
+    return all(".jsonl" in f.split("?")[0].rsplit("/", 1)[-1].lower() for f in files)
 
 
 def peek_columns_each(paths: Sequence[str], rows: int = 20,
@@ -141,8 +147,10 @@ def peek_columns_each(paths: Sequence[str], rows: int = 20,
     if found is None:
         return None
     peeked: list[tuple[str, list[str]]] = []
+    lines = _read_as_json_lines([f for f in found if _format_of(f) == "json"])
     for file in [f for f in found if _format_of(f) is not None][:max_files]:
-        columns = _columns_of(file, _format_of(file), rows, head_bytes=1 << 20 if not peeked else 1 << 16)
+        columns = _columns_of(file, _format_of(file), rows, head_bytes=1 << 20 if not peeked else 1 << 16,
+                              lines=lines)
         if columns is None and not peeked:
             return None
         if columns is not None:
@@ -161,7 +169,9 @@ def local_files(paths: Sequence[str]) -> list[str] | None:
         return None
 
 
-def _columns_of(file: str, format: str, rows: int, head_bytes: int) -> list[str] | None:
+def _columns_of(file: str, format: str, rows: int, head_bytes: int, lines: bool = False) -> list[str] | None:
+    """`lines`: JSON is read line by line, where a line that is not one JSON object (or a byte-order mark) fails the
+    read, 20 s in: raised here instead."""
     import json
 
     import pyarrow as pa
@@ -182,14 +192,34 @@ def _columns_of(file: str, format: str, rows: int, head_bytes: int) -> list[str]
             head = stream.read(head_bytes).decode("utf-8", errors="replace")
     except (OSError, ValueError, pa.ArrowException):
         return None
-    lines = [line for line in head.splitlines()[:-1 if len(head) == head_bytes else None] if line.strip()][:rows]
+    if head.startswith("\ufeff"):
+        if lines:
+            raise TextDataError(f"{file} starts with a UTF-8 byte-order mark, which the JSON lines reader cannot "
+                                "read. Save it as UTF-8 without one (Python: encoding='utf-8', not 'utf-8-sig').")
+        head = head[1:]  # Arrow reads past it
+    numbered = [(number, line) for number, line in
+                enumerate(head.splitlines()[:-1 if len(head) == head_bytes else None], start=1) if line.strip()][:rows]
     try:
-        parsed = [json.loads(line) for line in lines]
+        parsed = [json.loads(line) for _, line in numbered]
     except ValueError:  # a .json holding one array (or broken JSON): left to the read
+        if lines:
+            number, exc = next((n, e) for n, e in ((n, _json_error(line)) for n, line in numbered) if e is not None)
+            raise TextDataError(f"{BAD_ROW_FOUND}: {file}, line {number}: not a JSON object ({exc.msg}: column "
+                                f"{exc.colno}). JSON lines files (.jsonl) hold one JSON object per line.") from None
         return None
     if not parsed or not all(isinstance(row, dict) for row in parsed):
         return None
     return sorted({name for row in parsed for name in row})
+
+
+def _json_error(line: str):
+    import json
+
+    try:
+        json.loads(line)
+    except json.JSONDecodeError as exc:
+        return exc
+    return None
 
 
 def _file_sizes(files: list[str]) -> list[int]:
