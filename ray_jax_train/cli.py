@@ -345,10 +345,7 @@ def _check_storage_usable(path: str, make: bool = True) -> None:
     from ray_jax_train.run_config import ConfigError
     from ray_jax_train.storage import in_ray_package_cache, is_uri
 
-    if path.startswith("file://"):  # a local path all the same: a file there failed 20 s in, once Ray was up
-        from urllib.parse import unquote, urlparse
-
-        path = unquote(urlparse(path).path)
+    path = _file_uri_path(path)  # a local path all the same: a file there failed 20 s in, once Ray was up
     if is_uri(path) or in_ray_package_cache(path):  # a job's copy: refused or warned once Ray is up, unwritten
         return
     blocked = path
@@ -762,15 +759,21 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _file_uri_path(path: str) -> str:
+    """The local path a file:// URI names (percent-escapes decoded); any other path as it is."""
+    if not path.startswith("file://"):
+        return path
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(path).path)
+
+
 def _local_dir(path: str) -> str:
     """A file:// URI as the local path it names (the run summary prints them for file:// storage); other URIs are
     refused: generate reads the weights on this machine."""
-    from urllib.parse import unquote, urlparse
-
     from ray_jax_train.storage import is_uri
 
-    if path.startswith("file://"):
-        return unquote(urlparse(path).path)
+    path = _file_uri_path(path)
     if is_uri(path):
         raise UsageError(f"{path}: generate reads a directory on this machine; copy it here first (e.g. "
                          "`ray-jax-train export` of a checkpoint at a URI writes a local directory)")
