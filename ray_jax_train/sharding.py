@@ -284,17 +284,20 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         return structure.unflatten([p if _is_nnx_object(p) else q for p, q in zip(parts, placed)])
     shardings = shardings_for(tree, mesh, rules)
     single = jax.process_count() == 1
+    digests: Dict[str, str] = {}  # of the host values placed, by leaf: every process must give the same
 
-    def place(x, sharding):
+    def place(x, sharding, path=""):
         if isinstance(x, jax.Array):
             if x.is_fully_addressable and single:
                 return jax.device_put(x, sharding)
             if not x.is_fully_addressable:
                 return x if x.sharding == sharding else jax.jit(lambda y: y, out_shardings=sharding)(x)
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # numpy cannot hold a typed key
-                data = place(jax.random.key_data(x), sharding)
+                data = place(jax.random.key_data(x), sharding, path)
                 return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         host = np.asarray(x)
+        if not single:
+            digests[path] = array_digest(host)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def place_leaf(path, x, sharding):
@@ -304,9 +307,51 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
             raise TypeError(f"shard_by_rules: the leaf {jax.tree_util.keystr(path) or '(the tree itself)'} is a "
                             f"{type(x).__module__}.{type(x).__qualname__}, not an array: JAX sees it as one opaque "
                             f"value, with nothing to place.{unregistered_class_hint(x)}")
-        return place(x, sharding)
+        return place(x, sharding, path_str(path))
 
-    return jax.tree_util.tree_map_with_path(place_leaf, tree, shardings)
+    placed = jax.tree_util.tree_map_with_path(place_leaf, tree, shardings)
+    if digests:
+        _check_processes_placed_the_same(digests)
+    return placed
+
+
+def _check_processes_placed_the_same(digests: Dict[str, str]) -> None:
+    """Each process fills its own shards from its own host values, so values that differ between processes (a model
+    initialised from a per-worker seed, as DDP users may, since DDP copies rank 0's weights) made one "replicated"
+    array whose copies disagreed: it trained on without a word, and every checkpoint saved from it failed its
+    checksums on restore (a review). `jax.device_put` refuses such values; this is the same check, by digest."""
+    import json
+
+    from ray_jax_train.checkpoint import _sync
+
+    everyone = [json.loads(s) for s in _sync.allgather("shard_by_rules", json.dumps(digests), rule=_COLLECTIVE)]
+    differ = [path for path in digests if len({theirs.get(path) for theirs in everyone}) > 1]
+    if differ:
+        raise ValueError(
+            f"shard_by_rules: the value{'s' if len(differ) > 1 else ''} of {', '.join(differ[:5])}"
+            f"{' ...' if len(differ) > 5 else ''} differ{'' if len(differ) > 1 else 's'} between the "
+            f"{len(everyone)} processes, which would each fill their own shards of one array from their own copy. "
+            "Initialise the state the same way on every worker (the same seed: nnx.Rngs(seed), not seed + rank), "
+            "or create it directly in its shards: jax.jit(init, out_shardings=rjt.shardings_for(...)).")
+
+
+_COLLECTIVE = ("shard_by_rules is collective in a job of several processes: call it on every worker, in the same "
+               "order")
+
+
+def array_digest(value) -> str:
+    """A short digest of an array's dtype, shape and values; -0.0 and 0.0, and NaNs of other payloads, count as
+    the same value."""
+    import hashlib
+
+    import jax
+
+    leaf = np.asarray(value)
+    if jax.dtypes.issubdtype(leaf.dtype, np.inexact):  # bfloat16 too, which numpy does not call floating
+        leaf = np.where(np.isnan(leaf), np.nan, leaf + 0).astype(leaf.dtype)
+    digest = hashlib.sha1(f"{leaf.dtype.str}{leaf.dtype.name}{leaf.shape}".encode())
+    digest.update(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))  # bytes: bfloat16 has no buffer format
+    return digest.hexdigest()[:16]
 
 
 def unregistered_class_hint(leaf) -> str:

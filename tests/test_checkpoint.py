@@ -890,9 +890,14 @@ def nnx_objects_round_trip(ckpt, mesh):
     model = Net(nnx.Rngs(0, dropout=1))
     opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
     rules = [(r"kernel$", P(None, "dp")), (r".*", P())]
+    try:  # a seed per worker (harmless under DDP, which copies rank 0's weights): one array of disagreeing copies
+        rjt.shard_by_rules(Net(nnx.Rngs(100 + jax.process_index(), dropout=1)), mesh, rules)
+    except ValueError as exc:
+        divergent = str(exc)
     assert rjt.shard_by_rules(opt, mesh, rules) is opt and rjt.shard_by_rules(model, mesh, rules) is model
     leaves = jax.tree.leaves(nnx.state(opt)) + jax.tree.leaves(nnx.state(model))
     out = {"placed": all(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)}
+    out["divergent"] = locals().get("divergent")
     out["kernel_spec"] = str(model.blocks[0].kernel.value.sharding.spec)
     saved = values(nnx.state(model)) + values(nnx.state(opt))
     absl_lines = []  # orbax logs about 15 INFO lines per save and worker through absl's logger: kept out by default
@@ -981,6 +986,9 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert [w for w in record["warnings"]
             if "already has a checkpoint of step 2" in w and "restore() was not called" in w], record["warnings"]
     assert record["placed"] and record["kernel_spec"].endswith("(None, 'dp')"), record
+    divergent = record["divergent"] or ""
+    assert "shard_by_rules: the values of blocks/0/kernel, blocks/1/kernel differ" in divergent, record
+    assert "differ between the 2 processes" in divergent and "nnx.Rngs(seed)" in divergent
     assert record["equal"] and record["step"] == ["ndarray", 3], record
     assert record["absl_info_enabled"] and record["absl_lines"] == ["the loop's own absl line"], record["absl_lines"][:5]
     assert "['w'] (3,) lives on this process's devices only, in a job of 2 processes" in record["local"]

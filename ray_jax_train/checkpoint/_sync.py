@@ -43,11 +43,13 @@ def process_count() -> int:
     return jax.process_count()
 
 
-def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional[str] = None) -> List[str]:
+def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional[str] = None,
+              rule: Optional[str] = None) -> List[str]:
     """Every process's `value`, in process order.
 
     Without `key`, all processes must call it in the same order (the round number is the key). A `key`
-    unique to this exchange lets it run in any thread, in any order relative to other exchanges.
+    unique to this exchange lets it run in any thread, in any order relative to other exchanges. `rule`: what a
+    process that never arrives was told to do (the checkpoint calls' rule by default).
     """
     if process_count() == 1:
         return [value]
@@ -60,7 +62,7 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
     key = f"ray_jax_train/ckpt/{next(_rounds)}/{tag}" if in_order else f"ray_jax_train/ckpt/{key}"
     mine = f"{key}/{process_index()}"
     client.key_value_set(mine, value)
-    values = _gather(client, tag, [f"{key}/{p}" for p in range(process_count())], timeout_ms, in_order)
+    values = _gather(client, tag, [f"{key}/{p}" for p in range(process_count())], timeout_ms, in_order, rule)
     if in_order:
         # Every process has written this round, so each has read every earlier one: ours can go.
         for old in _written:
@@ -212,7 +214,8 @@ def _missing(client, keys: List[str]) -> List[int]:
     return missing
 
 
-def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool = False) -> List[str]:
+def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool = False,
+            rule: Optional[str] = None) -> List[str]:
     """The values under `keys`; a warning after a minute, then an error, naming the processes that never wrote.
     In an in-order exchange (the loop's own thread), a process whose training function has returned will never
     write: that is an error at once. Not in a keyed one: those also run in Ray's upload thread, which finishes
@@ -222,6 +225,8 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool =
 
     A bare blocking get waited silently for the whole timeout (10 minutes) and then named only a key: what a
     rank-0-only save looks like, since the other ranks wait in Ray's report meanwhile, or have returned."""
+    rule = rule or _RULE
+    what = "checkpoint exchange" if rule == _RULE else "exchange"
     started = time.monotonic()
     deadline = started + timeout_ms / 1000
     warn_at = started + _WARN_AFTER_MS / 1000
@@ -240,20 +245,21 @@ def _gather(client, tag: str, keys: List[str], timeout_ms: int, in_order: bool =
             never = why_never(client, waited_for, key) if in_order else None
             if never:
                 raise CollectiveTimeoutError(
-                    f"Process {process_index()} is at the checkpoint exchange {tag!r}, which process {waited_for} "
-                    f"will never reach: {never}. {_RULE}.")
+                    f"Process {process_index()} is at the {what} {tag!r}, which process {waited_for} "
+                    f"will never reach: {never}. {rule}.")
             now = time.monotonic()
             if now < deadline and (warned or now < warn_at):
                 continue
             missing = _missing(client, keys)
             if now >= deadline:
                 raise CollectiveTimeoutError(
-                    f"Process {process_index()} waited {timeout_ms / 1000:.0f} s at the checkpoint exchange "
-                    f"{tag!r} for process(es) {missing}, which never reached it. {_RULE}. If they are only slower "
-                    "(a large state on slow storage), raise JaxCheckpointer(timeout_s=...).") from None
+                    f"Process {process_index()} waited {timeout_ms / 1000:.0f} s at the {what} "
+                    f"{tag!r} for process(es) {missing}, which never reached it. {rule}." + (
+                        " If they are only slower (a large state on slow storage), raise "
+                        "JaxCheckpointer(timeout_s=...)." if rule == _RULE else "")) from None
             if not warned and now >= warn_at:
                 warned = True
-                logger.warning("Process %d has waited %.0f s at the checkpoint exchange %r for process(es) %s. %s; "
+                logger.warning("Process %d has waited %.0f s at the %s %r for process(es) %s. %s; "
                                "a worker that is only slower (compiling, reading a large state) arrives later.",
-                               process_index(), time.monotonic() - started, tag, missing, _RULE)
+                               process_index(), time.monotonic() - started, what, tag, missing, rule)
     return values

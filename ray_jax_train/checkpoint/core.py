@@ -653,21 +653,17 @@ def _host_digests(state) -> Dict[str, str]:
 
     import jax
 
+    from ray_jax_train.sharding import array_digest
+
     digests = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(leaf, (np.ndarray, np.generic)):
-            leaf = np.asarray(leaf)
-            if leaf.dtype.hasobject:
+            if np.asarray(leaf).dtype.hasobject:
                 continue  # compared by pointer it would always differ; orbax cannot save it anyway
-            if leaf.dtype.kind in "fc":  # -0.0 and 0.0, and NaNs of other payloads, are the same value
-                leaf = np.where(np.isnan(leaf), np.nan, leaf + 0.0).astype(leaf.dtype)
-            digest = hashlib.sha1(f"{leaf.dtype.str}{leaf.shape}".encode())
-            digest.update(memoryview(np.ascontiguousarray(leaf)).cast("B"))
+            digests[jax.tree_util.keystr(path)] = array_digest(leaf)
         elif isinstance(leaf, (int, float, str)):
             digest = hashlib.sha1(repr(leaf + 0.0 if isinstance(leaf, float) else leaf).encode())
-        else:
-            continue
-        digests[jax.tree_util.keystr(path)] = digest.hexdigest()[:16]
+            digests[jax.tree_util.keystr(path)] = digest.hexdigest()[:16]
     return digests
 
 
