@@ -238,9 +238,32 @@ def _map(fn, tree):
     return jax.tree_util.tree_map_with_path(lambda p, x: fn(path_str(p), x), tree)
 
 
+# Axes that by convention split only the batch: no parameter rule names them.
+_DATA_ONLY_AXES = ("dp", "data", "batch")
+
+
+def _warn_if_axes_pass_each_other(rules: PartitionRules, mesh) -> None:
+    """Optional axes missing from the mesh mean "not split": rules over ("fsdp", "tp") on a mesh named
+    {"data": 2, "model": 2}, or with "fdsp" for "fsdp", replicated every leaf on every device without a word (a
+    review). Said when some of the rules' axes are not in the mesh while a mesh axis that splits something is named
+    by no rule."""
+    sizes = _mesh_sizes(mesh)
+    named = {axis for _, spec in rules.rules for entry in spec for axis in _entry_axes(entry)}
+    absent = sorted(named - set(sizes))
+    idle = [axis for axis, size in sizes.items() if size > 1 and axis not in named and axis not in _DATA_ONLY_AXES]
+    if absent and idle:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "The partition rules name axes %s, which the mesh lacks (they are optional, so they split nothing), and "
+            "no rule names the mesh's axes %s: those replicate every leaf. Name the mesh's axes as the rules do (or "
+            "the rules' as the mesh does): mesh axes %s.", absent, {a: sizes[a] for a in idle}, dict(sizes))
+
+
 def partition_specs(tree, mesh, rules: Union[PartitionRules, RuleList, None] = None):
     """A pytree of PartitionSpecs for `tree` (arrays, numpy, ShapeDtypeStructs, nnx.State, optax state)."""
     rules = PartitionRules.of(rules)
+    _warn_if_axes_pass_each_other(rules, mesh)
     return _map(lambda path, x: spec_for(path, np.shape(x), mesh, rules), tree)
 
 
@@ -250,6 +273,7 @@ def shardings_for(tree, mesh, rules: Union[PartitionRules, RuleList, None] = Non
     from jax.sharding import NamedSharding
 
     rules = PartitionRules.of(rules)
+    _warn_if_axes_pass_each_other(rules, mesh)
     return _map(lambda path, x: NamedSharding(mesh, spec_for(path, np.shape(x), mesh, rules)), tree)
 
 

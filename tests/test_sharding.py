@@ -278,6 +278,25 @@ def test_absent_and_size_one_axes():
     assert with_sp["layers/0/mlp/gate_proj/kernel"] == P(("fsdp", "sp"))  # sp devices hold weight shards too
 
 
+def test_optional_axes_that_miss_the_mesh_s_names_are_said(caplog):
+    """Optional axes the mesh lacks split nothing: a mesh named the common JAX way ({"data", "model"}), or a typo
+    ("fdsp"), replicated every leaf on every device without a word (a review)."""
+    _, params = init_params(tiny_config())
+
+    def warned(axes, sizes, rules=None):
+        caplog.clear()
+        specs_by_path(params, jax.sharding.AbstractMesh(sizes, axes), rules)
+        return [r.getMessage() for r in caplog.records if r.name == "ray_jax_train.sharding"]
+
+    said = warned(("data", "model"), (2, 2))
+    assert len(said) == 1 and "no rule names the mesh's axes {'model': 2}" in said[0] and "'tp'" in said[0], said
+    typo = S.PartitionRules(((r"kernel$", P("fdsp")), (r".*", P())), optional_axes=("fdsp",))
+    assert "{'fsdp': 4}" in "".join(warned(("fsdp",), (4,), typo))
+    for axes, sizes in ((("dp",), (4,)), (("data",), (4,)), (("dp", "fsdp"), (2, 2)), (("fsdp", "tp"), (2, 2)),
+                        (("dp", "model"), (4, 1))):  # batch axes, named axes, and a size-1 axis split nothing anyway
+        assert warned(axes, sizes) == [], (axes, sizes)
+
+
 def test_bad_input_errors():
     cfg = tiny_config()
     _, params = init_params(cfg)
