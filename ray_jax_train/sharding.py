@@ -292,6 +292,7 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         from flax import nnx
 
         nnx.update(tree, shard_by_rules(nnx.state(tree), mesh, rules))
+        _annotate_as_placed(tree)
         return tree
     parts, structure = jax.tree_util.tree_flatten(tree, is_leaf=_is_nnx_object)
     if any(_is_nnx_object(part) for part in parts):
@@ -305,6 +306,7 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         for part, state in zip(parts, placed):
             if _is_nnx_object(part):
                 nnx.update(part, state)
+                _annotate_as_placed(part)
         return structure.unflatten([p if _is_nnx_object(p) else q for p, q in zip(parts, placed)])
     shardings = shardings_for(tree, mesh, rules)
     single = jax.process_count() == 1
@@ -376,6 +378,24 @@ def array_digest(value) -> str:
     digest = hashlib.sha1(f"{leaf.dtype.str}{leaf.dtype.name}{leaf.shape}".encode())
     digest.update(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8))  # bytes: bfloat16 has no buffer format
     return digest.hexdigest()[:16]
+
+
+def _annotate_as_placed(obj) -> None:
+    """A Variable's `nnx.with_partitioning` annotation (`out_sharding`) set to where the rules placed it. Flax reads
+    the annotation, not the array, for what it builds later: an `nnx.Optimizer` made after the placement put Adam's
+    moments where the stale annotation said, twice the size the rules meant (a review). Only annotations there
+    already are changed."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    for _, node in nnx.iter_graph(obj):
+        if not isinstance(node, nnx.Variable) or node.get_metadata("out_sharding", None) is None:
+            continue
+        value = node.get_value() if hasattr(node, "get_value") else node.value
+        if isinstance(value, jax.Array) and isinstance(value.sharding, NamedSharding):
+            spec = tuple(value.sharding.spec)
+            node.set_metadata("out_sharding", spec + (None,) * (value.ndim - len(spec)))
 
 
 def unregistered_class_hint(leaf) -> str:

@@ -268,6 +268,21 @@ def test_nnx_objects_inside_a_state_dict_are_placed_in_place():
     assert isinstance(placed["step"], jax.Array) and placed["step"].sharding.spec == P()
 
 
+def test_an_annotated_model_placed_by_rules_carries_their_layout_to_what_flax_builds_next():
+    """Flax builds from `nnx.with_partitioning` annotations, not from the arrays: an nnx.Optimizer made after
+    shard_by_rules put Adam's moments where the stale annotation said, twice the size the rules meant (a review)."""
+    mesh = make_mesh({"fsdp": 2, "tp": 2})
+    annotated = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp"))
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(8, 8, kernel_init=annotated, rngs=nnx.Rngs(0))
+    S.shard_by_rules({"model": model}, mesh, [(r"kernel$", P("fsdp", "tp")), (r".*", P())])
+    assert model.kernel.get_metadata("out_sharding") == ("fsdp", "tp")
+    assert model.bias.get_metadata("out_sharding", None) is None  # none before: none added
+    with jax.set_mesh(mesh):
+        opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    assert opt.opt_state[0].mu["kernel"][...].sharding.spec == P("fsdp", "tp")
+
+
 def test_absent_and_size_one_axes():
     _, params = init_params(tiny_config())
     dp_only = specs_by_path(params, jax.sharding.AbstractMesh((4,), ("dp",)))
