@@ -46,6 +46,7 @@ _LAZY = {
     "CheckpointCorruptError": "ray_jax_train.checkpoint",
     "StorageNotSharedError": "ray_jax_train.checkpoint",
     "CheckpointMismatchError": "ray_jax_train.checkpoint",
+    "RestoreTargetError": "ray_jax_train.checkpoint",
     # model parallelism: partition rules for params and optimizer state
     "PartitionRules": "ray_jax_train.sharding",
     "llama_partition_rules": "ray_jax_train.sharding",

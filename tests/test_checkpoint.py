@@ -383,6 +383,27 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
         assert "holds this run's arrays under 'model/'" in _state_mismatch(nested, {"blocks": {"w": array, "b": array}},
                                                                             partial=partial)
     assert "under '" not in _state_mismatch(nested, {"blocks": {"w": array, "c": array}})  # not all of them there
+    # nnx Variables keep their array under "value"; a pure-dict target (nnx.to_pure_dict) names it without: read
+    # as that array (the 2-process round trip restores one), and the reverse says what form to restore into.
+    from ray_jax_train.checkpoint.core import _under_value
+
+    variables = {"l1": {"kernel": {"value": array}, "bias": {"value": array}}}
+    wrapped, moved = _under_value(variables, {"l1": {"kernel": array, "bias": array}})
+    assert moved == {("l1", "kernel"), ("l1", "bias")} and _state_mismatch(variables, wrapped) is None
+    assert "without the '/value' level of an nnx Variable (e.g. 'l1/bias'" in _state_mismatch(
+        {"l1": {"kernel": array, "bias": array}}, variables)
+    # A target leaf whose sharding cannot split its shape is the target's fault: said before any checkpoint is
+    # read. Before, orbax's IndivisibleError made this sound checkpoint "corrupt or partial".
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from ray_jax_train.checkpoint import RestoreTargetError
+
+    undivided = target()
+    undivided["params"][2]["b"] = jax.ShapeDtypeStruct(
+        (1,), jnp.float32, sharding=NamedSharding(Mesh(np.array(jax.devices()), ("dp",)), P("dp")))
+    with pytest.raises(RestoreTargetError, match=r"target's params/2/b of shape \(1,\) cannot be split as its "
+                                                 r"sharding .*rjt.shardings_for"):
+        restore(undivided, path, fallback=False)
     differs = r"differ \(checkpoint vs this run\) for"
     cases = [(target(hidden=32), rf"shapes {differs} 15 arrays: opt_state/0/mu/0/b \(16,\) vs \(32,\)"),
              (target(dtype=jnp.bfloat16), rf"dtypes {differs} 18 arrays: .* float32 vs bfloat16"),
@@ -545,6 +566,16 @@ def test_sigterm_is_seen_when_every_check_falls_on_a_periodic_save(monkeypatch):
         assert released == [] and not signals.sigterm_received()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    # final=True keeps the last step though it is no save_every step: 12 steps with save_every=5 ended with a
+    # checkpoint of step 10 (a review; orbax's `force` and a torch loop's last report read it so).
+    saved = []
+    ckpt = JaxCheckpointer(save_every=5, handle_preemption=False)
+    ckpt.save = lambda step, state, wait=False, **kwargs: saved.append((step, wait))
+    assert [ckpt.maybe_save(s, None, final=s == 12) for s in range(9, 13)] == [False, True, False, True]
+    assert saved == [(10, False), (12, False)], saved
+    unset = JaxCheckpointer(handle_preemption=False)  # no save_every: only preemption saves, final adds none
+    unset.save = lambda *args, **kwargs: saved.append(args)
+    assert not unset.maybe_save(12, None, final=True) and len(saved) == 2
 
 
 def test_a_sigterm_after_the_controller_died_ends_the_worker_without_a_save(monkeypatch, caplog):
@@ -839,6 +870,15 @@ def dropin_mistakes_loop(config):
         # called corrupt (the processes' checksums added up to twice the array's).
         local = ckpt.restore(abstract_state({"w": jnp.zeros(8), "step": jnp.zeros((), jnp.int32)}), path)
         record["restored_local"] = [np.asarray(local.state["w"]).tolist(), local.state["w"].is_fully_addressable]
+        # jax.devices()[0] (a single-device habit) is process 0's device on every worker: process 1 has no shard to
+        # read into. Said on both before any read; before, both checkpoints were "corrupt or partial".
+        from jax.sharding import SingleDeviceSharding
+
+        try:
+            ckpt.restore({**abstract_state(state), "w": jax.ShapeDtypeStruct(
+                (8,), jnp.float32, sharding=SingleDeviceSharding(jax.devices()[0]))}, path)
+        except Exception as exc:  # noqa: BLE001 - its type is checked by the test
+            record["device_0"] = f"{type(exc).__name__}: {exc}"
         try:
             ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), path)
         except ValueError as exc:
@@ -912,6 +952,10 @@ def nnx_objects_round_trip(ckpt, mesh):
     nnx.update(model, restored.state["model"])
     nnx.update(opt, restored.state["opt"])
     out["equal"] = values(nnx.state(model)) + values(nnx.state(opt)) == saved
+    # Flax's own idiom for a target, a pure dict: "only in this run for 6 arrays: model/..." before (the checkpoint
+    # keeps each Variable's array under "value").
+    pure = ckpt.restore(rjt.abstract_state({"model": nnx.to_pure_dict(nnx.state(model))}), path, partial=True)
+    out["pure_dict"] = [sorted(pure.state["model"]["blocks"][0]), values(pure.state) == values(nnx.state(model))]
     from absl import logging as absl_logging
 
     absl_logging.info("the loop's own absl line")  # not orbax's: it stays
@@ -972,6 +1016,10 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert record["shared_orbax"] == list(range(8))
     assert record["restored_local"] == [list(range(8)), True]
     assert "['step'], ['w'] (2 leaves) are ShapeDtypeStructs with no sharding" in record["no_sharding"]
+    assert record["device_0"].startswith("RestoreTargetError: On process 1: The restore target's w of shape (8,) has "
+                                         "the sharding SingleDeviceSharding("), record["device_0"]
+    assert "on devices of process 0 only, none of process 1's" in record["device_0"]
+    assert "jax.devices()[0] is process 0's device on every worker" in record["device_0"]
     assert "abstract_state(state)" in record["no_sharding"]
     assert not [w for w in record["warnings"] if "restore() was not called" in w]
     assert "host values ['rng'], ['seen'] differ between the 2 processes" in record["host_values_differ"], record
@@ -990,6 +1038,7 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     assert "shard_by_rules: the values of blocks/0/kernel, blocks/1/kernel differ" in divergent, record
     assert "differ between the 2 processes" in divergent and "nnx.Rngs(seed)" in divergent
     assert record["equal"] and record["step"] == ["ndarray", 3], record
+    assert record["pure_dict"] == [["bias", "kernel"], True], record
     assert record["absl_info_enabled"] and record["absl_lines"] == ["the loop's own absl line"], record["absl_lines"][:5]
     assert "['w'] (3,) lives on this process's devices only, in a job of 2 processes" in record["local"]
     assert "rjt.shard_by_rules(state, mesh, rules)" in record["local"]

@@ -57,6 +57,21 @@ class StorageNotSharedError(RuntimeError):
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint directory that cannot be restored: missing files, unreadable data or a checksum mismatch."""
 
+    # Not `retry_repeats_it`: storage out of reach (a bucket's outage, a mount not up yet) fails the same way, and
+    # a retry is what resumes the run then. Damaged files do fail every attempt, but a restore fails before the
+    # attempt's first report, so ray_jax_train.retries ends the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS
+    # (5) such attempts in a row even with max_failures=-1: no endless loop.
+
+
+class RestoreTargetError(ValueError):
+    """A restore target that no checkpoint can be read into (a leaf's sharding that does not divide its shape, or
+    that places it on none of this process's devices): the user's target, not the checkpoint, is to be fixed.
+
+    Raised before any checkpoint is read, so that a sound checkpoint is neither called corrupt nor skipped for an
+    older one."""
+
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries): every attempt builds it alike
+
 
 class CheckpointMismatchError(ValueError):
     """A sound checkpoint of a different train state (other arrays, shapes or dtypes) than the run builds.
@@ -72,6 +87,7 @@ _MISMATCH = "holds a different train state than this run builds: "
 _RUN_DIR = "is not a checkpoint but a directory of checkpoints: "
 _A_FILE = "is a file, not a checkpoint directory"
 _GONE = "the directory does not exist"
+_READ = "reading it into the restore target failed: "
 
 
 def _key_names(path) -> Tuple[str, ...]:
@@ -138,12 +154,42 @@ def _state_mismatch(saved_tree, target, partial: bool = False, hint_partial: boo
     if hint_partial and parts and all(title == "only in the checkpoint" for title, items in groups if items):
         parts.append("to read only the arrays the target names (e.g. the params of a whole train state), pass "
                      "partial=True")
+    plain = [k for k in groups[1][1] if k[-1:] == ("value",) and k[:-1] in saved]
+    if plain:  # the reverse of what _under_value reads: nnx Variables in the target, a pure dict in the checkpoint
+        parts.append(f"the checkpoint holds {len(plain)} of this run's arrays without the '/value' level of an nnx "
+                     f"Variable (e.g. '{'/'.join(plain[0][:-1])}': a state saved as nnx.to_pure_dict(...)): restore "
+                     "into that pure-dict form, rjt.abstract_state(nnx.to_pure_dict(nnx.state(model))), and put "
+                     "it back with nnx.replace_by_pure_dict(state, restored.state)")
     prefix = _common_prefix(groups[1][1], set(saved))
     if prefix:
         name = "/".join(prefix)
         parts.append(f"the checkpoint holds this run's arrays under '{name}/' (a state saved as "
                      f"{{'{prefix[0]}': ...}}): restore into a target with that nesting (partial=True reads only it)")
     return "; ".join(parts) or None
+
+
+def _under_value(saved_tree, target) -> Tuple[Any, set]:
+    """`target` with each leaf that the checkpoint holds one level down, under "value", made {"value": leaf}, and
+    the key paths of those leaves.
+
+    A checkpoint of nnx objects stores each Variable's array at ".../kernel/value"; Flax's own idiom for a restore
+    target, `nnx.to_pure_dict(nnx.state(model))`, names it ".../kernel". Read as the same array (a shape, dtype and
+    checksum still compared like any other): the only array at that place, and nothing else in the target can be
+    meant. Before, it was "only in this run for 6 arrays: model/l1/bias ...", a state said to differ."""
+    import jax
+
+    saved = {_key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    moved = set()
+
+    def one(path, leaf):
+        key = _key_names(path)
+        if key not in saved and key + ("value",) in saved:
+            moved.add(key)
+            return {"value": leaf}
+        return leaf
+
+    wrapped = jax.tree_util.tree_map_with_path(one, target)
+    return (wrapped, moved) if moved else (target, moved)
 
 
 def _common_prefix(missing: List[tuple], saved: set) -> Optional[tuple]:
@@ -590,21 +636,71 @@ def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return metadata
 
 
-def _check_target_shardings(target) -> None:
-    """A restore target's abstract arrays must say where their shards go: orbax restores one without a sharding
-    as a numpy array on the host, and the loop fails later, far from the cause."""
+_TARGET_FIX = ("Build the target with rjt.abstract_state(state) from the state as placed on the mesh, or "
+               "rjt.abstract_state(state, rjt.shardings_for(state, mesh, rules)), which give every leaf a "
+               "NamedSharding over rjt.get_mesh() whose axes divide its shape (NamedSharding(mesh, PartitionSpec()) "
+               "replicates a leaf)")
+
+
+def _target_problem(target) -> Optional[str]:
+    """What makes `target` one that no checkpoint can be read into, on this process, or None.
+
+    Checked before any checkpoint is read: orbax's failure on such a leaf (jax's IndivisibleError, or "If the Array
+    has no addressable shards, `dtype` must be provided") came back as a read failure of every checkpoint in turn,
+    each logged as corrupt, and the run was told to start afresh (a review: two sound checkpoints)."""
     import jax
 
-    bare = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(target)
-            if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+    from ray_jax_train.sharding import path_str
+
+    bare, problems = [], []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+            continue  # numpy and Python values restore on the host
+        sharding = leaf.sharding
+        if sharding is None:
+            bare.append(jax.tree_util.keystr(path))
+            continue
+        name = path_str(path) or "(the target itself)"
+        shape = tuple(leaf.shape)
+        try:
+            sharding.shard_shape(shape)
+        except Exception:  # jax's IndivisibleError, or a spec of more axes than the array has
+            problems.append(f"{name} of shape {shape} cannot be split as its sharding {sharding} says (each "
+                            "dimension must be a multiple of the number of shards along it); give it a "
+                            "PartitionSpec whose mesh axes divide each dimension (PartitionSpec() replicates it)")
+            continue
+        mine = jax.process_index()
+        if jax.process_count() > 1 and not any(d.process_index == mine for d in sharding.device_set):
+            owners = sorted({d.process_index for d in sharding.device_set})
+            # orbax builds each array from this process's shards: with none it fails ("If the Array has no
+            # addressable shards, `dtype` must be provided"), on this process only.
+            problems.append(
+                f"{name} of shape {shape} has the sharding {sharding}, on devices of process"
+                f"{'es' if len(owners) > 1 else ''} {', '.join(map(str, owners))} only, none of process {mine}'s, "
+                "so this process has no shard to read it into. jax.devices()[0] is process 0's device on every "
+                "worker (a single-device habit); each process's own devices are jax.local_devices(), and an array "
+                "of the job is a NamedSharding over the mesh")
     if bare:
-        raise ValueError(
-            f"The restore target's {', '.join(bare[:5])}{' ...' if len(bare) > 5 else ''} "
+        problems.insert(0, (
+            f"{', '.join(bare[:5])}{' ...' if len(bare) > 5 else ''} "
             f"{'is a ShapeDtypeStruct' if len(bare) == 1 else f'({len(bare)} leaves) are ShapeDtypeStructs'} with no "
-            "sharding, which orbax would restore as numpy arrays on the host. Build the target with "
-            "abstract_state(state) from the state as placed on the mesh (or abstract_state(state, shardings)), or "
-            "give jax.ShapeDtypeStruct(shape, dtype, sharding=...); a leaf meant to stay on the host can be a numpy "
-            "array in the target.")
+            "sharding, which orbax would restore as numpy arrays on the host; give jax.ShapeDtypeStruct(shape, "
+            "dtype, sharding=...), or a numpy array in the target for a leaf meant to stay on the host"))
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"The restore target's {'; '.join(problems[:3])}{more}. {_TARGET_FIX}."
+
+
+def _check_target(target, timeout_ms: int) -> None:
+    """Raise `RestoreTargetError` on every process if the target is unusable on any (collective: a target on
+    process 0's device fails on the others only, and a process raising alone would leave the rest waiting)."""
+    problem = _target_problem(target) or ""
+    problems = _sync.allgather("restore_target", problem, timeout_ms=timeout_ms)
+    failed = [(p, v) for p, v in enumerate(problems) if v]
+    if failed:
+        where = "" if _sync.process_count() == 1 else f"On process {failed[0][0]}: "
+        raise RestoreTargetError(where + failed[0][1])
 
 
 def _plain_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
@@ -1206,11 +1302,17 @@ class JaxCheckpointer:
         final: bool = False,
     ) -> bool:
         """Call once per step (after the step): saves when `should_save(step)`. Returns whether it saved.
-        `validation` is passed to `save` on the steps that save. `final=True` on the loop's last step: a SIGTERM
-        saved there lets the loop finish (the run ends done) instead of ending the worker, which failed a run that
-        had trained to the end (a failure-injection review)."""
+        `validation` is passed to `save` on the steps that save. `final=True` on the loop's last step: that step is
+        saved whether or not it is a `save_every` step (with `save_every` unset only a preemption saves, as on
+        any step), and a SIGTERM saved there lets the loop finish (the run ends done) instead of ending the worker,
+        which failed a run that had trained to the end (a failure-injection review)."""
         signals.maybe_inject_fault(step)
         save, why = self.should_save(step)
+        if not save and final and self.save_every:
+            # The last step is the one a run is resumed or exported from: with save_every=5 and 12 steps the run's
+            # last checkpoint was step 10, and final=True read (as orbax's `force`, or a torch loop's last report)
+            # as "keep this step" lost the last 2 (a review).
+            save, why = True, "final"
         if not save:
             return False
         preempted = why in ("sigterm", "preemption")
@@ -1301,7 +1403,7 @@ class JaxCheckpointer:
             target = _as_saved(target, "restore target", host_values="keep")
             # orbax restores into a 0-d array, not into a numpy scalar ("Unsupported type", read as corrupt).
             target = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.generic) else x, target)
-            _check_target_shardings(target)
+            _check_target(target, self._timeout_ms)
         self._restore_called = _restore_called_in_process = True
         restored = self._restore(target, checkpoint, fallback=fallback, cleanup=cleanup, partial=partial)
         if restored is not None and self._last_saved_step is not None:
@@ -1430,6 +1532,7 @@ class JaxCheckpointer:
 
     def _restore_first(self, candidates: List[_Location], target, explicit: bool, partial: bool = False) -> Restored:
         problems = []
+        read_failures = []  # per candidate: its processes' read failures (path-free), or None for another failure
         for i, loc in enumerate(candidates):
             restored, problem, expected = self._try_restore(loc, target, partial, explicit)
             share = (start_checksums(restored.state, host_arrays=_sync.process_count() == 1)()
@@ -1464,12 +1567,27 @@ class JaxCheckpointer:
                                    loc.uri, restored.step, i, "; ".join(problems))
                 logger.info("Restored step %d from %s.", restored.step, loc.uri)
                 return restored
-            message = f"{loc.uri} is corrupt or partial ({'; '.join(bad)})"
+            reads = [v for v, _, _ in verdicts if v]
+            read_only = bool(reads) and all(v.startswith(_READ) for v in reads)
+            read_failures.append([v.replace(loc.uri, "<checkpoint>") for v in reads] if read_only else None)
+            # Every file there, and the read itself failed: damaged bytes, storage, or the target (which the checks
+            # before reading do not catch every way of): not called corrupt outright.
+            message = f"{loc.uri} {'could not be read' if read_only else 'is corrupt or partial'} ({'; '.join(bad)})"
             problems.append(message)
             if not explicit and i + 1 < len(candidates):
                 logger.warning("Checkpoint %s; falling back to the previous checkpoint %s.", message, candidates[i + 1].uri)
             else:
                 logger.error("Checkpoint %s.", message)
+        if len(read_failures) > 1 and read_failures[0] is not None and all(r == read_failures[0]
+                                                                            for r in read_failures):
+            # The same read failure on every checkpoint, old and new: the target they were all read into is the
+            # likely cause (damage rarely repeats itself exactly). Not a RestoreTargetError: storage that is out of
+            # reach fails alike, and FailureConfig's retry is the cure there.
+            raise CheckpointCorruptError(
+                f"Every checkpoint tried ({len(candidates)}) failed to read in the same way, which points at the "
+                "restore target rather than at the files: check its leaves' shapes, dtypes and shardings. "
+                f"{_TARGET_FIX}. If the storage was out of reach, the same run resumes once it reads again. "
+                "What failed: " + " | ".join(problems))
         if explicit:
             raise CheckpointCorruptError(f"No usable checkpoint: {' | '.join(problems)}")
         # The advice first: the problems of every checkpoint tried, one per process each, filled a terminal's line
@@ -1511,19 +1629,26 @@ class JaxCheckpointer:
             if target is None:  # the state as saved, on the host (np.empty commits no memory until written)
                 target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype) if hasattr(m, "dtype") else m,
                                       saved_tree)
+            given, target, under_value = target, *_under_value(saved_tree, target)
             mismatch = _state_mismatch(saved_tree, target, partial,
                                        hint_partial=explicit)  # a resume's target is the whole state: no fix there
             if mismatch:
                 return None, _MISMATCH + mismatch, None
             # The handler, not a Checkpointer: a Checkpointer ends restore with a barrier that a process whose
             # read failed would never reach; agreement happens afterwards through the key-value store instead.
-            result = handler.restore(
-                epath.Path(loc.uri),
-                ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=partial)}),
-            )
+            try:
+                result = handler.restore(
+                    epath.Path(loc.uri),
+                    ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
+                        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=partial)}),
+                )
+            except Exception as exc:  # bad bytes, storage, or a target orbax cannot fill: told apart by the caller
+                return None, _READ + f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}", None
             state = result[STATE_ITEM]
+            if under_value:  # back to the target's own shape: each array where the pure dict had it
+                state = jax.tree_util.tree_map_with_path(
+                    lambda path, _, got: got["value"] if _key_names(path) in under_value else got, given, state)
             recorded = meta.get("checksums")
             if recorded == CHECKSUMS_FILE:  # written after the orbax commit; absent if the save never finished
                 if not _exists(loc, CHECKSUMS_FILE):

@@ -327,8 +327,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     if checkpointer is not None or args.save_final_model:
         checkpoint_metrics()  # the last steps' update, before the final checkpoint and model keep it
     if checkpointer is not None:
-        if args.save_steps and step % args.save_steps and step != resumed_at:  # resumed at the end: saved already
-            checkpointer.save(step, state, metrics=dict(last), data_state={**position, "batch_size": args.batch_size})
+        # The last step was saved in the loop (maybe_save(final=True) saves it whether or not it is a save_steps
+        # step; a run resumed at the end trains no step and has it saved already): only the save in flight is left.
         checkpointer.close()
     if resumed_at is not None and resumed_at >= total_steps:
         _report_the_finished_run(outputs, resumed_at, resumed_from, rank0)
