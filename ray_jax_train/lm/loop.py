@@ -325,7 +325,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             metrics_file.close()
 
     if checkpointer is not None or args.save_final_model:
-        checkpoint_metrics()  # the last steps' update, before the final checkpoint and model keep it
+        checkpoint_metrics()  # the last steps' update, before the final model keeps it (the last save checked it too)
     if checkpointer is not None:
         # The last step was saved in the loop (maybe_save(final=True) saves it whether or not it is a save_steps
         # step; a run resumed at the end trains no step and has it saved already): only the save in flight is left.
