@@ -1644,7 +1644,8 @@ class JaxCheckpointer:
                         partial_restore=partial)}),
                 )
             except Exception as exc:  # bad bytes, storage, or a target orbax cannot fill: told apart by the caller
-                return None, _READ + f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}", None
+                first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
+                return None, f"{_READ}{type(exc).__name__}: {first_line}", None
             state = result[STATE_ITEM]
             if under_value:  # back to the target's own shape: each array where the pure dict had it
                 state = jax.tree_util.tree_map_with_path(
