@@ -260,7 +260,7 @@ class JaxTrainer(DataParallelTrainer):
 
         return _without_blind_cleaner(super()._create_default_callbacks()) + [
             AbortIsNoPreemption(), LatestMetrics(), CountsReports(), ReportBarrierMarks(), SaysWhyItWaits(),
-            ToleratesRemovedCheckpoints()]
+            ToleratesRemovedCheckpoints(), ExitsEvenIfRayHangsAtExit()]
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -362,6 +362,47 @@ class SaysWhyItWaits(ControllerCallback):
             return
         self._waits += 1
         logger.warning("ray-jax-train: %s", waiting_message(self._scaling, self._waits))
+
+
+# Seconds a controller process may spend in its exit once Python is done (Ray's own C++ exit handlers, ~2 s) before
+# SIGALRM ends it: Ray 2.60's core worker can deadlock there, and the process then outlives its run and its cluster.
+EXIT_DEADLINE_S = ("RAY_JAX_TRAIN_EXIT_DEADLINE_S", "20")
+
+
+def exit_within_a_deadline() -> None:
+    """Make this process's exit end within RAY_JAX_TRAIN_EXIT_DEADLINE_S (20 s) of Python's atexit handlers.
+
+    Ray 2.60's core worker destructor (a C exit handler, run after Python's) can deadlock on its own io_context's
+    mutex: `~CoreWorkerProcessImpl` -> `scheduler::shutdown` destroys a queued publish whose `~Publisher` answers a
+    pending long poll by posting to that same scheduler (gdb on a leaked ray::TrainController: main thread in
+    `post_immediate_completion` under `__run_exit_handlers`, its log ending in "Destructing CoreWorkerProcessImpl").
+    Its raylet-death check runs on the io_context already stopped, so the process stayed for good, after its driver
+    and its cluster were gone (one per full test suite). An alarm set here, with SIGALRM's default action, ends such
+    a process; one that exits normally is gone before it rings, with its own exit status."""
+    import atexit
+    import signal
+
+    def arm():
+        deadline = float(os.environ.get(*EXIT_DEADLINE_S))
+        if deadline > 0:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # terminate: no Python handler can run after finalization
+            signal.alarm(max(1, math.ceil(deadline)))
+
+    atexit.register(arm)
+
+
+class ExitsEvenIfRayHangsAtExit(ControllerCallback):
+    """The controller's process (where this callback runs) ends within a deadline once it exits: see
+    `exit_within_a_deadline`. A leaked ray::TrainController, its raylet and driver long gone, was found after test
+    suites; a notebook's, a Ctrl-C'd CLI's or a stopped Tune trial's run would leak one the same way."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        try:  # an actor's process only: local mode (num_workers=0) runs its controller in the user's own process
+            in_an_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+        except Exception:  # noqa: BLE001 - no runtime context: not an actor
+            in_an_actor = False
+        if in_an_actor:
+            exit_within_a_deadline()
 
 
 class ToleratesRemovedCheckpoints(ControllerCallback):

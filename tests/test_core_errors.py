@@ -978,3 +978,40 @@ def test_numbers_written_as_text_convert_with_dtypes_and_casts_to_bool_are_check
     texts = ray.data.from_items([{"word": w} for w in ("a", "b", "c", "d")])
     with pytest.raises(TypeError, match="Column 'word' holds text.*Tokenise it"):
         next(iter(rjt.iter_jax_batches(texts, batch_size=4, mesh=mesh, dtypes={"word": np.float32})))
+
+
+_HANGS_AT_EXIT = r'''
+import ctypes, sys
+from ray_jax_train.trainer import exit_within_a_deadline
+
+libc = ctypes.CDLL(None)
+if sys.argv[1] == "hang":
+    # A C exit handler that never returns, as Ray 2.60's core worker destructor deadlocked in a controller's exit.
+    libc.__cxa_atexit(ctypes.cast(libc.pause, ctypes.c_void_p), None, None)
+exit_within_a_deadline()
+sys.exit(3)
+'''
+
+
+def test_a_process_whose_exit_hangs_in_c_exit_handlers_still_ends(tmp_path):
+    """A ray::TrainController outlived its driver and its cluster after test suites: its exit deadlocked in Ray's
+    C++ core worker destructor (gdb: `post_immediate_completion` under `__run_exit_handlers`), after Python was
+    done, and its raylet-death check had stopped with the io_context. The controller's exit now has a deadline."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "exits.py"
+    script.write_text(_HANGS_AT_EXIT)
+    env = dict(os.environ, RAY_JAX_TRAIN_EXIT_DEADLINE_S="1")
+    started = time.time()
+    hung = subprocess.run([sys.executable, str(script), "hang"], env=env, capture_output=True, timeout=60)
+    assert hung.returncode == -signal.SIGALRM, (hung.returncode, hung.stderr[-2000:])
+    assert time.time() - started < 30
+    clean = subprocess.run([sys.executable, str(script), "clean"], env=env, capture_output=True, timeout=60)
+    assert clean.returncode == 3, (clean.returncode, clean.stderr[-2000:])  # a normal exit keeps its own status
+    from ray_jax_train import JaxTrainer
+    from ray_jax_train.trainer import ExitsEvenIfRayHangsAtExit
+
+    assert any(isinstance(c, ExitsEvenIfRayHangsAtExit)
+               for c in JaxTrainer(lambda: None)._create_default_callbacks())
