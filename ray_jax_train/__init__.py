@@ -53,6 +53,7 @@ _LAZY = {
     "partition_specs": "ray_jax_train.sharding",
     "shardings_for": "ray_jax_train.sharding",
     "shard_by_rules": "ray_jax_train.sharding",
+    "ProcessCopiesDifferError": "ray_jax_train.sharding",
     "check_llama_parallelism": "ray_jax_train.sharding",
     "make_hybrid_mesh": "ray_jax_train.sharding",
     "bytes_per_device": "ray_jax_train.sharding",

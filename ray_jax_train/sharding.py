@@ -21,6 +21,7 @@ __all__ = [
     "ACTIVATION_AXES",
     "LLAMA_AXES",
     "PartitionRules",
+    "ProcessCopiesDifferError",
     "bytes_per_device",
     "check_llama_parallelism",
     "constrain",
@@ -341,6 +342,12 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
     return placed
 
 
+class ProcessCopiesDifferError(ValueError):
+    """Processes gave `shard_by_rules` different values for one array (see `_check_processes_placed_the_same`)."""
+
+    retry_repeats_it = True  # FailureConfig does not retry it (ray_jax_train.retries): every attempt inits alike
+
+
 def _check_processes_placed_the_same(digests: Dict[str, str]) -> None:
     """Each process fills its own shards from its own host values, so values that differ between processes (a model
     initialised from a per-worker seed, as DDP users may, since DDP copies rank 0's weights) made one "replicated"
@@ -353,7 +360,7 @@ def _check_processes_placed_the_same(digests: Dict[str, str]) -> None:
     everyone = [json.loads(s) for s in _sync.allgather("shard_by_rules", json.dumps(digests), rule=_COLLECTIVE)]
     differ = [path for path in digests if len({theirs.get(path) for theirs in everyone}) > 1]
     if differ:
-        raise ValueError(
+        raise ProcessCopiesDifferError(
             f"shard_by_rules: the value{'s' if len(differ) > 1 else ''} of {', '.join(differ[:5])}"
             f"{' ...' if len(differ) > 5 else ''} differ{'' if len(differ) > 1 else 's'} between the "
             f"{len(everyone)} processes, which would each fill their own shards of one array from their own copy. "
