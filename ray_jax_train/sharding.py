@@ -353,17 +353,13 @@ def _check_processes_placed_the_same(digests: Dict[str, str]) -> None:
     initialised from a per-worker seed, as DDP users may, since DDP copies rank 0's weights) made one "replicated"
     array whose copies disagreed: it trained on without a word, and every checkpoint saved from it failed its
     checksums on restore (a review). `jax.device_put` refuses such values; this is the same check, by digest."""
-    import json
-
     from ray_jax_train.checkpoint import _sync
 
-    everyone = [json.loads(s) for s in _sync.allgather("shard_by_rules", json.dumps(digests), rule=_COLLECTIVE)]
-    differ = [path for path in digests if len({theirs.get(path) for theirs in everyone}) > 1]
+    differ = _sync.keys_that_differ("shard_by_rules", digests, rule=_COLLECTIVE)
     if differ:
         raise ProcessCopiesDifferError(
-            f"shard_by_rules: the value{'s' if len(differ) > 1 else ''} of {', '.join(differ[:5])}"
-            f"{' ...' if len(differ) > 5 else ''} differ{'' if len(differ) > 1 else 's'} between the "
-            f"{len(everyone)} processes, which would each fill their own shards of one array from their own copy. "
+            f"shard_by_rules: the value{'s' if len(differ) > 1 else ''} of {_sync.differ_between_processes(differ)}, "
+            "which would each fill their own shards of one array from their own copy. "
             "Initialise the state the same way on every worker (the same seed: nnx.Rngs(seed), not seed + rank), "
             "or create it directly in its shards: jax.jit(init, out_shardings=rjt.shardings_for(...)).")
 

@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,22 @@ def allgather(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS, key: Optional
             client.key_value_delete(old)
         _written[:] = [mine]
     return values
+
+
+def keys_that_differ(tag: str, values: Dict[str, str], timeout_ms: int = _TIMEOUT_MS,
+                     rule: Optional[str] = None) -> List[str]:
+    """The keys of `values` (digests by leaf, say) whose value is not the same on every process: one in-order
+    exchange."""
+    import json
+
+    everyone = [json.loads(s) for s in allgather(tag, json.dumps(values), timeout_ms=timeout_ms, rule=rule)]
+    return [key for key in values if len({theirs.get(key) for theirs in everyone}) > 1]
+
+
+def differ_between_processes(keys: List[str]) -> str:
+    """'a, b ... differ between the N processes', for `keys_that_differ`'s answer."""
+    listed = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+    return f"{listed} differ{'' if len(keys) > 1 else 's'} between the {process_count()} processes"
 
 
 def broadcast(tag: str, value: str, timeout_ms: int = _TIMEOUT_MS) -> str:

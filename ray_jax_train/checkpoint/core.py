@@ -773,13 +773,11 @@ def _check_host_values_agree(state, timeout_ms: int) -> None:
     mine = _host_digests(state)
     if not mine:
         return
-    everyone = [json.loads(s) for s in _sync.allgather("host_values", json.dumps(mine), timeout_ms=timeout_ms)]
-    differ = [path for path in mine if len({digests.get(path) for digests in everyone}) > 1]
+    differ = _sync.keys_that_differ("host_values", mine, timeout_ms=timeout_ms)
     if differ:
         raise ValueError(
-            f"save(): the state's host value{'s' if len(differ) > 1 else ''} {', '.join(differ[:5])}"
-            f"{' ...' if len(differ) > 5 else ''} differ{'' if len(differ) > 1 else 's'} between the "
-            f"{_sync.process_count()} processes. A host leaf (numpy, a Python number or string) is saved from "
+            f"save(): the state's host value{'s' if len(differ) > 1 else ''} {_sync.differ_between_processes(differ)}"
+            ". A host leaf (numpy, a Python number or string) is saved from "
             "process 0 only, and every process would restore that copy. Keep per-worker values out of the saved "
             "state (derive a worker's random numbers from the seed, its rank and the step: "
             "np.random.default_rng([seed, rank, step]); a time or host name can go into the metrics instead), "
