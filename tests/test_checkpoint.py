@@ -1076,6 +1076,13 @@ def test_what_orbax_is_given_for_nnx_objects_and_host_local_leaves(monkeypatch):
     assert isinstance(saved["step"], np.ndarray) and int(saved["step"]) == 1
     target = abstract_state({"step": jnp.asarray(0), "w": jnp.ones(3)})  # the target of such a save: no refusal
     assert isinstance(target["step"], np.ndarray) and isinstance(target["w"], jax.ShapeDtypeStruct)
+    # The digests compared across processes (save()'s host values, shard_by_rules' copies): a bfloat16 host leaf
+    # failed in numpy's buffer protocol ("cannot include dtype 'E' in a buffer"); -0.0 is the value 0.0.
+    from ray_jax_train.checkpoint.core import _host_digests
+
+    digests = _host_digests({"b": np.array([-0.0, 1], jnp.bfloat16), "c": np.array([0.0, 1], jnp.bfloat16),
+                             "d": np.array([0.0, 2], jnp.bfloat16)})
+    assert digests["['b']"] == digests["['c']"] != digests["['d']"], digests
 
 
 def test_states_and_metrics_orbax_or_ray_would_fail_on_are_refused_or_made_plain():
