@@ -856,11 +856,13 @@ from ray.train import RunConfig, ScalingConfig
 storage, progress = sys.argv[1], os.path.join(sys.argv[1], "progress")
 
 def loop(config):
+    import os
     import time
     import ray.train
     for i in range(1000):
-        with open(config["progress"], "w") as f:
+        with open(config["progress"] + ".part", "w") as f:
             f.write(str(i))
+        os.replace(config["progress"] + ".part", config["progress"])  # whole: a read met it emptied (a CI run)
         ray.train.report({"i": i})
         time.sleep(0.1)
 
