@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -670,7 +672,7 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     (tmp_path / "d.csv").write_text("text,id\nalpha,1\nbeta,2\n")  # the README promised CSV; it was refused
     hf = datasets.Dataset.from_list(rows)
     sources = [tmp_path / "d.parquet", str(tmp_path / "d.txt"), tmp_path / "d.jsonl", tmp_path / "d.csv", rows, hf,
-               hf.to_iterable_dataset(), ray.data.from_items(rows)]
+               hf.to_iterable_dataset(), hf.to_iterable_dataset(num_shards=2), ray.data.from_items(rows)]
     for source in sources:  # separate small executions: a union of 7 reads is much slower here
         assert sorted(r["text"] for r in load_text_dataset(source).take_all()) == ["alpha", "beta"], source
     assert extract_column_names(load_text_dataset(rows)) == ["text"]
@@ -691,6 +693,23 @@ def test_load_text_dataset_sources(ray_cluster, tmp_path):
     assert sorted(r["text"] for r in load_text_dataset(uri).take_all()) == ["alpha", "beta"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_text_dataset(uri + "/missing.jsonl")
+
+
+def test_a_half_made_huggingface_hub_module_does_not_fail_the_stream_read():
+    """A CI run's IterableDataset read failed in a Ray worker: 'cannot import name HfFileSystem from
+    huggingface_hub' (a half-made lazy submodule stood in sys.modules). The stream's import gets past one."""
+    script = (
+        "import sys, types\n"
+        "sys.modules['huggingface_hub.hf_file_system'] = types.ModuleType('huggingface_hub.hf_file_system')\n"
+        "try:\n"
+        "    import datasets\n"
+        "    raise SystemExit('the plain import passed: the planted module is not what broke it')\n"
+        "except ImportError as error:\n"
+        "    assert 'HfFileSystem' in str(error), error\n"
+        "from ray_jax_train.text.hf_stream import import_datasets\n"
+        "print(import_datasets().Dataset.from_list([{'text': 'x'}])[0]['text'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "x", done.stderr[-2000:]
 
 
 def test_files_are_read_on_the_driver_node_when_other_nodes_lack_them(ray_cluster, tmp_path, monkeypatch):

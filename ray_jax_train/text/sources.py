@@ -275,14 +275,12 @@ def _from_hf_dataset(source):
 
 
 def _from_hf_iterable(source):
-    """A streaming HF ``IterableDataset``, read lazily by Ray's own Hugging Face datasource."""
+    """A streaming HF ``IterableDataset``, read lazily in Ray Data's workers (see ``hf_stream`` for why ours)."""
     import ray.data
 
-    try:
-        from ray.data._internal.datasource.huggingface_datasource import HuggingFaceDatasource
-    except ImportError:  # pragma: no cover - internal path moved; the public API still works online
-        return ray.data.from_huggingface(source)
-    return ray.data.read_datasource(HuggingFaceDatasource(dataset=source))
+    from .hf_stream import HFStreamDatasource
+
+    return ray.data.read_datasource(HFStreamDatasource(source))
 
 
 def load_text_dataset(source: Any, *, format: str | None = None):

@@ -1,0 +1,84 @@
+"""A streaming Hugging Face ``IterableDataset`` as a Ray datasource, one read task per shard.
+
+Why not Ray's own Hugging Face datasource: its pickled dataset is unpickled by Ray as a task argument, so the
+read worker imports ``datasets`` wherever Ray happens to deserialize, and a CI run once saw that import fail
+with ``cannot import name 'HfFileSystem' from 'huggingface_hub'``: ``datasets``' import pulls names from
+``huggingface_hub``'s lazy module, which breaks when another thread is inside the same import, or when an earlier
+import there was interrupted (Ray cancels read tasks a ``take()`` no longer needs). Here the dataset travels as
+bytes and is unpickled inside the read task, after ``datasets`` was imported under a lock, retried once over a
+clean slate if a half-made module stood in the way.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Iterator
+
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+_IMPORT_LOCK = threading.Lock()
+_HALF_IMPORTED = ("datasets", "huggingface_hub")  # the packages whose half-made modules break the import
+
+
+def _forget_half_imported() -> None:
+    for name in [m for m in sys.modules if m.split(".", 1)[0] in _HALF_IMPORTED]:
+        del sys.modules[name]
+
+
+def import_datasets():
+    """``import datasets``, robust to a concurrent or an earlier interrupted import in this process."""
+    with _IMPORT_LOCK:
+        for attempt in range(3):
+            try:
+                import datasets
+                return datasets
+            except ModuleNotFoundError as error:
+                if error.name == "datasets" or attempt == 2:  # not installed here: nothing to wait for
+                    raise
+            except ImportError:
+                if attempt == 2:
+                    raise
+            time.sleep(0.5)  # another thread may be finishing the same import
+            if attempt == 1:
+                _forget_half_imported()
+    raise AssertionError("unreachable")
+
+
+def _read_shard(payload: bytes, num_shards: int, index: int, batch_size: int) -> Iterator:
+    import pickle
+
+    import pyarrow as pa
+
+    import_datasets()
+    dataset = pickle.loads(payload)
+    if num_shards > 1:
+        dataset = dataset.shard(num_shards=num_shards, index=index)
+    for batch in dataset.with_format("arrow").iter(batch_size=batch_size):
+        if isinstance(batch, dict):
+            batch = pa.Table.from_pydict(batch)
+        if not isinstance(batch, pa.Table):
+            batch = pa.Table.from_pandas(batch, preserve_index=False)
+        yield batch
+
+
+class HFStreamDatasource(Datasource):
+    """Streams a ``datasets.IterableDataset``: whole source shards (files) per read task."""
+
+    def __init__(self, dataset, batch_size: int = 4096):
+        from ray import cloudpickle
+
+        self._payload = cloudpickle.dumps(dataset)  # bytes: Ray's argument unpickling imports nothing of HF
+        self._shards = max(1, int(getattr(dataset, "num_shards", 1) or 1))
+        self._batch_size = batch_size
+
+    def estimate_inmemory_data_size(self):
+        return None  # a stream: its size is unknown until read
+
+    def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+        tasks = min(self._shards, max(1, parallelism))
+        meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
+        payload, batch_size = self._payload, self._batch_size
+        return [ReadTask(lambda index=index: _read_shard(payload, tasks, index, batch_size), meta,
+                         per_task_row_limit=per_task_row_limit) for index in range(tasks)]
