@@ -446,6 +446,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
         return sum('"step"' in line for line in (long / "metrics.jsonl").read_text().splitlines())
 
     lines_before = step_lines()
+    started = time.time()  # each phase its own bound against a hang: a loaded 2-core machine took 500 s for both
     resumed_log = tmp_path / "resumed.log"
     with open(resumed_log, "w") as out:
         search = subprocess.Popen(command + ["--resume"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -453,7 +454,7 @@ def test_an_interrupted_search_resumes_keeping_its_finished_trials(tmp_path, cap
             killed = []
             while not killed:
                 assert search.poll() is None, resumed_log.read_text()[-5000:]
-                assert time.time() - started < 500, resumed_log.read_text()[-5000:]
+                assert time.time() - started < 400, resumed_log.read_text()[-5000:]
                 if step_lines() > lines_before:
                     for pid in _trial_actors_of(search.pid):
                         os.kill(pid, signal.SIGKILL)
