@@ -3,8 +3,9 @@
 Why not Ray's own Hugging Face datasource: its pickled dataset is unpickled by Ray as a task argument, so the
 read worker imports ``datasets`` wherever Ray happens to deserialize, and a CI run once saw that import fail
 with ``cannot import name 'HfFileSystem' from 'huggingface_hub'``: ``datasets``' import pulls names from
-``huggingface_hub``'s lazy module, which breaks when another thread is inside the same import, or when an earlier
-import there was interrupted (Ray cancels read tasks a ``take()`` no longer needs). Here the dataset travels as
+``huggingface_hub``'s lazy module, which fails on a half-made submodule left in ``sys.modules``. Ray cancels read
+tasks a ``take()`` no longer needs by a KeyboardInterrupt in the worker's main thread and reuses the worker, so an
+import it cut short can leave one (a second thread inside the same import does too). Here the dataset travels as
 bytes and is unpickled inside the read task, after ``datasets`` was imported under a lock, retried once over a
 clean slate if a half-made module stood in the way.
 """
