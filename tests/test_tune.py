@@ -1,4 +1,4 @@
-"""Tune: 4 short trials (2 at a time) of JaxTrainer fits reported through TuneReportCallback, ASHA stopping the
+"""Tune: 3 short trials (2 at a time) of JaxTrainer fits reported through TuneReportCallback, ASHA stopping the
 weak ones early, and the best trial's checkpoint restored into this process; a search interrupted for real and
 resumed.
 
@@ -261,21 +261,31 @@ def test_asha_max_t_below_the_longest_trial_is_refused_before_ray_starts(tmp_pat
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     from ray_jax_train.tune import restore_best
 
+    import yaml
+
+    # The example's search with 3 of its 4 learning rates (a trial fewer for the suite's time; 2 at a time still,
+    # so the third starts after the first pair and reads their compilation cache).
+    config = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    rates = config["tune"]["param_space"]["training.learning_rate"]["grid_search"]
+    assert rates[:2] == [3e-3, 1e-3] and config["tune"]["max_concurrent_trials"] == 2, rates
+    config["tune"]["param_space"]["training.learning_rate"]["grid_search"] = [3e-3, 1e-5, 1e-6]
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(config))
     # Without the test session's JAX_COMPILATION_CACHE_DIR: the search's own default cache is under test.
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "JAX_COMPILATION_CACHE_DIR")}
     done = subprocess.run(
-        [sys.executable, "-m", "ray_jax_train", "tune", os.path.join(REPO, "examples", "tune_tiny_llama.yaml"),
+        [sys.executable, "-m", "ray_jax_train", "tune", str(path),
          "--set", f"run.storage_path={tmp_path}", "--set", "data.max_docs=30", "--address", "local"],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "=== ray-jax-train: search done ===" in done.stdout and "trials:      4 (0 failed" in done.stdout
+    assert "=== ray-jax-train: search done ===" in done.stdout and "trials:      3 (0 failed" in done.stdout
     # Short output: trials build their datasets in their own processes, with Ray Data's progress bars off there too.
     assert "row/s" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
     # But each trial's progress shows as it trains, a line per log step (an ops review: nothing until the end),
     # named by trial, every trial's (Ray's deduplication showed one trial's lines and folded the others').
     shown = done.stdout + done.stderr
     trials_shown = set(re.findall(r"\[train trial (\w+)\] step 1/\d+, loss ", shown))
-    assert len(trials_shown) == 4, shown[-3000:]
+    assert len(trials_shown) == 3, shown[-3000:]
 
     experiment = tmp_path / "tune-tiny-llama"
     last_steps, cache_hits = {}, []
@@ -283,18 +293,18 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
         lines = [json.loads(line) for line in open(result) if line.strip()]
         last_steps[lines[-1]["config"]["training"]["learning_rate"]] = lines[-1]["step"]
         cache_hits.append(lines[0]["compilation_cache_hits"])  # the first record carries the start-up facts
-    assert len(last_steps) == 4
+    assert len(last_steps) == 3
     # The trials share one compilation cache in the search's directory, and a learning rate changes no program:
-    # the two trials that start after the first pair load the state's init programs and the train step (5) instead
+    # the trial that starts after the first pair loads the state's init programs and the train step (5) instead
     # of compiling them.
     assert any((experiment / "compilation_cache").iterdir())
-    assert sorted(cache_hits)[-2] >= 5, cache_hits
+    assert max(cache_hits) >= 5, cache_hits
     assert max(last_steps.values()) == 4, last_steps  # the best trained to the end ...
     assert min(last_steps.values()) < 4, last_steps  # ... and ASHA stopped at least one trial early
     # The summary gives every trial's outcome: finished or stopped early, with its value, the best marked, and its
     # id, which names its Train run beside the search's directory.
     trial_lines = [line for line in done.stdout.splitlines() if re.match(r"  \w+_\d{5}  learning_rate=", line)]
-    assert len(trial_lines) == 4, done.stdout[-3000:]
+    assert len(trial_lines) == 3, done.stdout[-3000:]
     assert all((tmp_path / f"tune-tiny-llama-{line.split()[0]}" / "metrics.jsonl").is_file() for line in trial_lines)
     assert f"trial runs:  {experiment}-<trial id>" in done.stdout, done.stdout[-3000:]
     stopped = sum(1 for v in last_steps.values() if v < 4)
@@ -305,7 +315,7 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert "Error in training function" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
 
     best = json.loads((experiment / "best.json").read_text())
-    assert best["config"]["training"]["learning_rate"] in (3e-3, 1e-3), last_steps
+    assert best["config"]["training"]["learning_rate"] == 3e-3, last_steps
     assert best["checkpoint"] and os.path.isdir(best["checkpoint"])
     assert os.path.isfile(os.path.join(best["run_dir"], "metrics.jsonl")) and best["warning"] is None
     # The winner as a config `fit` reads: the best trial's values, without the search.
