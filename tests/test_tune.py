@@ -259,9 +259,9 @@ def test_asha_max_t_below_the_longest_trial_is_refused_before_ray_starts(tmp_pat
 
 
 def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
-    from ray_jax_train.tune import restore_best
-
     import yaml
+
+    from ray_jax_train.tune import restore_best
 
     # The example's search with 3 of its 4 learning rates (a trial fewer for the suite's time; 2 at a time still,
     # so the third starts after the first pair and reads their compilation cache).
