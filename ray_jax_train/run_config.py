@@ -45,6 +45,8 @@ __all__ = [
     "TUNABLE_SECTIONS",
     "apply_overrides",
     "build_trainer",
+    "PreparedData",
+    "prepare_data",
     "check_cluster_fits",
     "jax_config_for",
     "load_config",
@@ -1535,13 +1537,52 @@ def jax_config_for(scaling: ScalingSection):
     return share_gpu_memory(config, float(s.gpus_per_worker or 1)) if s.use_gpu else config
 
 
+class PreparedData(typing.NamedTuple):
+    """A config's tokenised, packed datasets, made once (a Tune search's driver) for every run whose data settings
+    give the same: `key` is `data_key` of the config they were made for."""
+
+    key: str
+    datasets: Dict[str, Any]
+    columns: List[str]
+
+
+def data_key(config: ExperimentConfig, args: TrainingArguments, model_config: LlamaConfig) -> str:
+    """What the tokenised datasets of a run depend on (see lm.data.tokenize_lm_datasets), as one string: the data
+    and tokenizer sections, the model's vocabulary and positions, and the data settings of its training."""
+    return json.dumps({"data": config.data.model_dump(mode="json"),
+                       "tokenizer": config.tokenizer.model_dump(mode="json"),
+                       "max_sequence_length": args.max_sequence_length, "text_column": args.text_column,
+                       "messages_column": args.messages_column, "num_workers": args.num_workers,
+                       "vocab_size": model_config.vocab_size,
+                       "max_position_embeddings": model_config.max_position_embeddings}, sort_keys=True)
+
+
+def prepare_data(config: ExperimentConfig) -> PreparedData:
+    """The datasets `build_trainer` would tokenise for `config`, made now (driver side; Ray must be up), for runs
+    that share them: a Tune search tokenised the same documents again in every trial. `tokenizer.path` must be set
+    (a search settles its tokenizer first)."""
+    from ray_jax_train.lm.data import tokenize_lm_datasets
+
+    assert config.tokenizer.path is not None, "prepare_data needs a settled tokenizer.path"
+    args = config.training_arguments()
+    tokenizer = ensure_tokenizer(config, config.tokenizer.path)
+    model_config = config.llama_config(tokenizer)
+    train_source, eval_source = _datasets(config)
+    datasets, columns = tokenize_lm_datasets(
+        train_source, eval_source, tokenizer, args, materialize=True, names=("data.source", "data.eval_source"),
+        max_position_embeddings=model_config.max_position_embeddings, vocab_size=model_config.vocab_size)
+    return PreparedData(data_key(config, args, model_config), datasets, columns)
+
+
 def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, callbacks: Sequence[Any] = (),
-                  tokenizer_path: Optional[str] = None, quiet: bool = False, progress_label: Optional[str] = None):
+                  tokenizer_path: Optional[str] = None, quiet: bool = False, progress_label: Optional[str] = None,
+                  prepared: Optional[PreparedData] = None):
     """A ready `JaxTrainer` running the built-in LM loop for `config` (driver side; Ray must be up).
 
     Returns (trainer, info) where info has the run name, run directory and total steps. Tokenisation runs
     here in Ray Data and is materialised, so training workers never wait on Data tasks for CPUs. `quiet`
     keeps worker logs to warnings and the progress bar (the CLI's default; --verbose turns it off).
+    `prepared`: datasets `prepare_data` made already, used where they were made for this config's data settings.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray_jax_train.lm import state as state_lib
@@ -1573,10 +1614,16 @@ def build_trainer(config: ExperimentConfig, *, run_name: Optional[str] = None, c
     check_hf_init_dir(config, model_config)
     resumes_from = check_resumed_model(run_dir, model_config) if args.resume_if_possible else None
 
-    train_source, eval_source = _datasets(config)
+    if prepared is not None and prepared.key == data_key(config, args, model_config):
+        train_source = eval_source = None  # tokenised already
+        shared: Optional[Tuple[Dict[str, Any], List[str]]] = (prepared.datasets, prepared.columns)
+    else:
+        train_source, eval_source = _datasets(config)
+        shared = None
     datasets, columns, total_steps = prepare_lm_datasets(
         train_source, eval_source, tokenizer, args, materialize=True, names=("data.source", "data.eval_source"),
-        max_position_embeddings=model_config.max_position_embeddings, vocab_size=model_config.vocab_size)
+        max_position_embeddings=model_config.max_position_embeddings, vocab_size=model_config.vocab_size,
+        prepared=shared)
 
     jax_config = with_trace_flags(jax_config_for(config.scaling), args)
     callbacks = list(callbacks)

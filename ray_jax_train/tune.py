@@ -3,8 +3,9 @@
 Train V2 style: the trial function builds the trainer and calls `fit()` with `TuneReportCallback` in its
 RunConfig (wrapping a trainer in `Tuner(trainer)` is deprecated). Schedulers measure time in optimizer steps
 (the `step` every report carries), so ASHA's `grace_period` / `max_t` are steps and a finished trial is never
-cut off before its last checkpoint. The tokenizer is trained once on the driver and shared, so trials differ
-only in what the param space changes. The best trial is written to `<storage>/<search name>/best.json`, and its
+cut off before its last checkpoint. The tokenizer is trained once on the driver and shared, and the data
+tokenised and packed there once (unless the search changes how), so trials differ only in what the param space
+changes. The best trial is written to `<storage>/<search name>/best.json`, and its
 config, which `ray-jax-train fit` reads, to `best_config.json` beside it.
 
 An interrupted search (Ctrl-C, a killed driver, a lost head node) continues with `run(..., resume=True)`
@@ -29,8 +30,8 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, ConfigError, ExperimentConfig,
                                       TuneSection, apply_overrides, build_trainer, check_cluster_fits,
-                                      ensure_tokenizer, init_tokenizer_dir, parse_config, read_file,
-                                      trained_tokenizer_dir, trial_lengths)
+                                      ensure_tokenizer, init_tokenizer_dir, parse_config, prepare_data,
+                                      read_file, trained_tokenizer_dir, trial_lengths)
 from ray_jax_train.quiet import every_worker_line, filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, etils_reaches, is_uri, jax_can_cache_in, join, local_dir_for, qualified, read_text
 from ray_jax_train.trainer import env_unless_set
@@ -249,6 +250,16 @@ def _exits_are_not_errors(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+# Searched keys that change what a trial's data tokenises to (run_config.data_key): no dataset to share.
+_DATA_KEYS = ("data.", "tokenizer.", "training.max_sequence_length", "training.text_column",
+              "training.messages_column", "scaling.num_workers", "model.vocab_size", "model.max_position_embeddings",
+              "model.scaling_index", "model.init_from")
+
+
+def _searches_data(param_space: Dict[str, Any]) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for key in param_space for k in _DATA_KEYS)
+
+
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -372,7 +383,11 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
 
     without_progress = str(retries_without_progress_limit())  # this process's setting, checked here
 
-    def trial(trial_space: Dict[str, Any]) -> None:
+    # Tokenised once here, not again in every trial (each started 8-12 Ray Data processes for the same rows); a
+    # trial whose searched values give other data settings tokenises its own (build_trainer compares).
+    tokenised = None if _searches_data(tune_cfg.param_space) else prepare_data(parse_config(base_data))
+
+    def trial(trial_space: Dict[str, Any], prepared=None) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
         if shared_cache:
             os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
@@ -386,14 +401,15 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         refuse_a_failed_trial_again(join(storage, run_name), attempt)
         trial_config = parse_config(_merge(base_data, trial_space))
         trainer, _ = build_trainer(trial_config, run_name=run_name, callbacks=[TuneReportCallback()], quiet=quiet,
-                                   progress_label=f"trial {context.get_trial_id()}")
+                                   progress_label=f"trial {context.get_trial_id()}", prepared=prepared)
         try:
             trainer.fit()
         except Exception as exc:
             record_trial_failure(join(storage, run_name), attempt, exc)
             raise
 
-    trainable = tune.with_resources(trial, {"cpu": tune_cfg.trial_cpus})
+    # Through the object store (the datasets hold references to their blocks, which the trials borrow).
+    trainable = tune.with_resources(tune.with_parameters(trial, prepared=tokenised), {"cpu": tune_cfg.trial_cpus})
     if resuming:
         # Search space and scheduler come from the saved search (tuner.pkl), trials and the search algorithm's
         # place from its last saved state. A resumed trial keeps its id, so its Train run, named after it, finds

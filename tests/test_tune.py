@@ -329,6 +329,53 @@ def test_search_stops_weak_trials_and_restores_the_best(tmp_path):
     assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
 
 
+def test_trials_train_on_the_datasets_the_search_tokenised_once_unless_their_data_settings_differ(ray_cluster, tmp_path):
+    """Each trial tokenised and packed the search's documents again in its own actor (8-12 Ray Data processes
+    each). Now the driver does it once; a trial uses those datasets only where its own settings make the same."""
+    import yaml
+
+    from ray_jax_train.run_config import build_trainer, ensure_tokenizer, parse_config, prepare_data
+    from ray_jax_train.tune import _searches_data, search_config
+
+    config = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    config["data"]["max_docs"] = 12
+    config["run"]["storage_path"] = str(tmp_path)
+    config["training"]["eval_steps"] = 2
+    config["data"]["eval_fraction"] = 0.25
+    base = search_config(config)
+    ensure_tokenizer(base, str(tmp_path / "tokenizer"), reuse=True)
+    data = base.model_dump(mode="json")
+    data["tokenizer"], data["tune"] = {"path": str(tmp_path / "tokenizer"), "vocab_size": 300}, None
+    prepared = prepare_data(parse_config(data))
+    assert set(prepared.datasets) == {"train", "eval"}
+
+    def trainer_for(**training):
+        trial = copy.deepcopy(data)
+        trial["training"].update(training)
+        return build_trainer(parse_config(trial), run_name="trial", prepared=prepared)
+
+    # Settings the data does not depend on: the search's datasets, and the trial's own step count.
+    trainer, info = trainer_for(learning_rate=1e-5, total_steps=6)
+    assert trainer.datasets["train"] is prepared.datasets["train"] and info["total_steps"] == 6
+    assert trainer.datasets["eval"] is prepared.datasets["eval"]
+    # The same rows a trial tokenising on its own gets.
+    alone, _ = build_trainer(parse_config(data), run_name="alone")
+    assert alone.datasets["train"] is not prepared.datasets["train"]
+    assert ([r["input_ids"].tolist() for r in alone.datasets["train"].take_all()]
+            == [r["input_ids"].tolist() for r in prepared.datasets["train"].take_all()])
+    # Other packing: its own datasets, rows of its own length.
+    other, _ = trainer_for(max_sequence_length=16)
+    assert other.datasets["train"] is not prepared.datasets["train"]
+    assert len(other.datasets["train"].take(1)[0]["input_ids"]) == 16
+    # A step count the shared rows cannot feed is still refused, trial by trial.
+    with pytest.raises(ValueError, match=r"fewer than one global batch \(batch_size=4096\)"):
+        trainer_for(batch_size=4096)
+    # The driver skips the work where the search itself changes the data.
+    assert not _searches_data({"training.learning_rate": {}, "model.seed": {}, "training.total_steps": {}})
+    assert _searches_data({"data.max_docs": {}}) and _searches_data({"training.max_sequence_length": {}})
+    assert _searches_data({"model.vocab_size": {}}) and not _searches_data({"model.vocab_size_x": {}})
+
+
 def test_a_resume_may_move_to_another_cluster_but_not_change_the_search(tmp_path, caplog):
     """Scaling, fault tolerance and trial CPUs may differ on resume (a search outlives its cluster; checkpoints
     restore into any worker count); what the trials compute may not."""

@@ -82,32 +82,69 @@ def prepare_lm_dataset(source: Any, tokenizer, args: TrainingArguments, *, max_p
 def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: TrainingArguments, *,
                         max_position_embeddings: Optional[int] = None, data_collator: Optional[Callable] = None,
                         materialize: bool = False, names: Tuple[str, str] = ("dataset_train", "dataset_eval"),
-                        vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str], int]:
+                        vocab_size: Optional[int] = None,
+                        prepared: Optional[Tuple[Dict[str, Any], List[str]]] = None,
+                        ) -> Tuple[Dict[str, Any], List[str], int]:
     """(datasets {"train"[, "eval"]}, the columns to feed, the run's total steps) for the built-in loop.
 
     The one driver-side path that every entry point (Python API, JSON config, CLI, Tune trials) takes, so each
     gets the same checks before a worker starts: eval rows must feed the same columns, and warmup must fit.
     The datasets are materialised (tokenised now) when asked, when counting rows is the only way to know the
     step count (num_epochs), or when the workers would hold every CPU and starve the Ray Data tasks (a hang).
+    `prepared`: what `tokenize_lm_datasets` made of these sources for these data settings already (a Tune search
+    makes it once on its driver); only the run's steps are counted and checked then.
+    """
+    from ray.data.dataset import MaterializedDataset
+
+    if args.total_steps is not None and args.num_epochs is not None:
+        logger.warning("num_epochs=%d is ignored: total_steps=%d sets the run's length. To train by epochs, leave "
+                       "total_steps out (in a CLI config: --set training.total_steps=null).", args.num_epochs,
+                       args.total_steps)
+    if prepared is None:
+        datasets, columns = tokenize_lm_datasets(
+            train_source, eval_source, tokenizer, args, max_position_embeddings=max_position_embeddings,
+            data_collator=data_collator, materialize=materialize, names=names, vocab_size=vocab_size)
+    else:
+        datasets, columns = dict(prepared[0]), list(prepared[1])
+    if "eval" not in datasets and args.eval_steps:
+        eval_name = "data.eval_source or data.eval_fraction" if names[1] == "data.eval_source" else names[1]
+        logger.warning("eval_steps=%d is set, but there is no eval data: nothing will be evaluated. Give %s, or "
+                       "leave eval_steps out.", args.eval_steps, eval_name)
+    if args.total_steps is None:
+        rows = datasets["train"].count()
+        total_steps = args.steps_for_rows(rows)
+        _say_rows_left_out(rows, args.batch_size)
+    else:
+        total_steps = args.total_steps
+        if isinstance(datasets["train"], MaterializedDataset):  # counted for free: too little fails here,
+            args.steps_for_rows(datasets["train"].count())               # not in the workers after compiling
+    if args.warmup_steps > total_steps:
+        raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
+                         "warmup_steps or train longer.")
+    args.check_profile_window(total_steps)
+    return datasets, columns, total_steps
+
+
+def tokenize_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: TrainingArguments, *,
+                         max_position_embeddings: Optional[int] = None, data_collator: Optional[Callable] = None,
+                         materialize: bool = False, names: Tuple[str, str] = ("dataset_train", "dataset_eval"),
+                         vocab_size: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
+    """(datasets {"train"[, "eval"]}, the columns to feed): the sources tokenised, packed and checked.
+
+    What it makes depends on the sources, the tokenizer, the model's vocabulary and positions, and the data settings
+    of `args` (max_sequence_length, the text/messages columns, num_workers, which the eval rows are padded to), not
+    on how long or how fast the run trains: runs that differ only in those can share it.
     """
     from ray.data.dataset import MaterializedDataset
 
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
-    if args.total_steps is not None and args.num_epochs is not None:
-        logger.warning("num_epochs=%d is ignored: total_steps=%d sets the run's length. To train by epochs, leave "
-                       "total_steps out (in a CLI config: --set training.total_steps=null).", args.num_epochs,
-                       args.total_steps)
     columns_of = dict(text_column=args.text_column, messages_column=args.messages_column)
     with naming_the_bad_row(train_source, names[0], **columns_of):
         train_ds, columns = prepare_lm_dataset(train_source, tokenizer, args, data_collator=data_collator,
                                                max_position_embeddings=max_position_embeddings, what=names[0],
                                                vocab_size=vocab_size)
     datasets = {"train": train_ds}
-    if eval_source is None and args.eval_steps:
-        eval_name = "data.eval_source or data.eval_fraction" if names[1] == "data.eval_source" else names[1]
-        logger.warning("eval_steps=%d is set, but there is no eval data: nothing will be evaluated. Give %s, or "
-                       "leave eval_steps out.", args.eval_steps, eval_name)
     if eval_source is not None:
         with naming_the_bad_row(eval_source, names[1], **columns_of):
             datasets["eval"], eval_columns = prepare_lm_dataset(
@@ -122,14 +159,6 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
     for name in tokenise_now:
         with naming_the_bad_row(*sources[name], **columns_of):
             datasets[name] = _in_order(datasets[name])
-    if args.total_steps is None:
-        rows = datasets["train"].count()
-        total_steps = args.steps_for_rows(rows)
-        _say_rows_left_out(rows, args.batch_size)
-    else:
-        total_steps = args.total_steps
-        if isinstance(datasets["train"], MaterializedDataset):  # counted for free: too little fails here,
-            args.steps_for_rows(datasets["train"].count())               # not in the workers after compiling
     _check_eval_rows(datasets.get("eval"), args, names[1])
     if "eval" in datasets:
         datasets["eval"] = _padded_to_workers(datasets["eval"], args.num_workers)
@@ -140,11 +169,7 @@ def prepare_lm_datasets(train_source: Any, eval_source: Any, tokenizer, args: Tr
                                 "the model would learn nothing. Chat data needs assistant turns with content (only "
                                 "their tokens are trained on); pre-tokenised rows need loss_mask 1 on the tokens to "
                                 "learn.")
-    if args.warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps={args.warmup_steps} exceeds the {total_steps} training steps; lower "
-                         "warmup_steps or train longer.")
-    args.check_profile_window(total_steps)
-    return datasets, columns, total_steps
+    return datasets, columns
 
 
 def source_paths(source: Any) -> List[str]:
