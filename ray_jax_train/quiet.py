@@ -74,14 +74,21 @@ def quiet_worker() -> None:
         pass
 
 
-def quiet_data_context() -> None:
+def quiet_data_context() -> Callable[[], None]:
     """Ray Data's progress bars and per-execution banners off in this process (the driver, or a Tune trial, which
-    builds its datasets in its own process with Ray Data's defaults)."""
+    builds its datasets in its own process with Ray Data's defaults). Returns what puts them back as they were (a
+    Python caller's own context after `tune.run` made the search's datasets)."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
+    was = context.enable_progress_bars, context.print_on_execution_start
     context.enable_progress_bars = False
     context.print_on_execution_start = False
+
+    def undo() -> None:
+        context.enable_progress_bars, context.print_on_execution_start = was
+
+    return undo
 
 
 def quiet_train_loop(config: Dict[str, Any]) -> None:

@@ -385,7 +385,13 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
 
     # Tokenised once here, not again in every trial (each started 8-12 Ray Data processes for the same rows); a
     # trial whose searched values give other data settings tokenises its own (build_trainer compares).
-    tokenised = None if _searches_data(tune_cfg.param_space) else prepare_data(parse_config(base_data))
+    tokenised = None
+    if not _searches_data(tune_cfg.param_space):
+        undo_quiet = quiet_data_context() if quiet else (lambda: None)
+        try:
+            tokenised = prepare_data(parse_config(base_data))
+        finally:
+            undo_quiet()
 
     def trial(trial_space: Dict[str, Any], prepared=None) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
