@@ -260,6 +260,19 @@ def _searches_data(param_space: Dict[str, Any]) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for key in param_space for k in _DATA_KEYS)
 
 
+def _let_go_of_parameters(trainable) -> None:
+    """Unpin what `tune.with_parameters` put in the object store: its registry stays reachable from a Ray init hook
+    for the rest of the process, so each search from one notebook kept its tokenised data there (measured: the
+    reference count of the put object stays 1 after the trainable is gone, 0 once the registry is emptied)."""
+    for cell in getattr(trainable, "__closure__", None) or ():
+        try:
+            registry = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(getattr(registry, "references", None), dict) and hasattr(registry, "to_flush"):
+            registry.references.clear()
+
+
 def _scheduler(tune_cfg: TuneSection, total_steps: int):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -446,8 +459,12 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
     # Not every report carries every metric (eval_* on eval steps only, tokens_per_s from the second log step
     # on), and Tune's strict check would stop the whole search at the first report without its metric; its
     # schedulers skip such reports anyway. The metric's name was checked on the driver (parse_config).
-    with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
-        results = tuner.fit()
+    try:
+        with env_unless_set("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1"):
+            results = tuner.fit()
+    finally:
+        _let_go_of_parameters(trainable)
+        del tokenised
     unfinished = _unfinished_trials(experiment_dir, expected)
     if unfinished:
         # Tune catches Ctrl-C itself and returns what it has: the best of half-trained trials is no result.

@@ -370,6 +370,23 @@ def test_trials_train_on_the_datasets_the_search_tokenised_once_unless_their_dat
     # A step count the shared rows cannot feed is still refused, trial by trial.
     with pytest.raises(ValueError, match=r"fewer than one global batch \(batch_size=4096\)"):
         trainer_for(batch_size=4096)
+    # A search lets go of them when it ends: with_parameters' registry kept them pinned for the process's life.
+    import gc
+
+    import ray
+    from ray import tune
+
+    from ray_jax_train.tune import _let_go_of_parameters
+
+    counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts
+    before = set(counts())
+    trainable = tune.with_parameters(lambda config, prepared=None: None, prepared=prepared)
+    put = set(counts()) - before
+    assert put
+    _let_go_of_parameters(trainable)
+    del trainable  # without the line above, the put object stays (its count 1 for the rest of the process)
+    gc.collect()
+    assert not put & set(counts())
     # The driver skips the work where the search itself changes the data.
     assert not _searches_data({"training.learning_rate": {}, "model.seed": {}, "training.total_steps": {}})
     assert _searches_data({"data.max_docs": {}}) and _searches_data({"training.max_sequence_length": {}})
