@@ -34,6 +34,7 @@ from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, Config
                                       read_file, trained_tokenizer_dir, trial_lengths)
 from ray_jax_train.quiet import every_worker_line, filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, etils_reaches, is_uri, jax_can_cache_in, join, local_dir_for, qualified, read_text
+from ray_jax_train.text.errors import read_error
 from ray_jax_train.trainer import env_unless_set
 
 __all__ = ["SearchInterrupted", "TuneOutcome", "can_resume", "restore_best", "run", "search_space"]
@@ -344,6 +345,7 @@ def run(config: Union[str, ExperimentConfig, Dict[str, Any]], *, overrides: Sequ
 
 
 def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: bool, resuming: bool) -> TuneOutcome:
+    import ray.exceptions
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -403,6 +405,12 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         undo_quiet = quiet_data_context() if quiet else (lambda: None)
         try:
             tokenised = prepare_data(parse_config(base_data))
+        except ConfigError:
+            raise
+        # Data the driver can read is wrong (a bad row, no loss tokens): a config problem, said once (`fit` says it
+        # so too), where before every trial failed with it after its actor started.
+        except (ValueError, OSError, ray.exceptions.RayTaskError) as exc:
+            raise ConfigError(f"{read_error(exc)} (the search's data, tokenised on the driver for every trial)") from None
         finally:
             undo_quiet()
 

@@ -393,6 +393,25 @@ def test_trials_train_on_the_datasets_the_search_tokenised_once_unless_their_dat
     assert _searches_data({"model.vocab_size": {}}) and not _searches_data({"model.vocab_size_x": {}})
 
 
+def test_a_bad_row_in_the_search_s_data_is_said_once_on_the_driver(ray_cluster, tmp_path):
+    """A row no trial could tokenise failed every trial the same way, each after its actor started, and the search
+    ended in "No trial finished"; the driver, which tokenises for all of them now, says it once, naming the row."""
+    import yaml
+
+    from ray_jax_train import tune
+    from ray_jax_train.run_config import ConfigError
+
+    rows = [json.dumps({"text": f"document {i} " * 5}) for i in range(40)]
+    rows[33] = json.dumps({"text": 33})  # past the rows the driver reads first: met by a Ray Data task
+    (tmp_path / "docs.jsonl").write_text("\n".join(rows) + "\n")
+    config = yaml.safe_load(open(os.path.join(REPO, "examples", "tune_tiny_llama.yaml")))
+    config["data"] = {"source": str(tmp_path / "docs.jsonl"), "max_docs": 20}
+    config["run"]["storage_path"] = str(tmp_path / "runs")
+    with pytest.raises(ConfigError, match=r"(?s)holds an int \(33\).*docs\.jsonl, line 34.*tokenised on the driver"):
+        tune.run(config)
+    assert not list((tmp_path / "runs").glob("tune-tiny-llama-*"))  # no trial started
+
+
 def test_a_resume_may_move_to_another_cluster_but_not_change_the_search(tmp_path, caplog):
     """Scaling, fault tolerance and trial CPUs may differ on resume (a search outlives its cluster; checkpoints
     restore into any worker count); what the trials compute may not."""
