@@ -6,12 +6,17 @@ transformers before its loop asks for them.
 """
 import importlib
 
-from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
-from ray_jax_train.data import (DataError, DataTypeError, DataValueError, IteratorsOutOfStepError, NoFullBatchError,
-                                batch_sharding, iter_jax_batches)
-from ray_jax_train.data_config import JaxDataConfig
-from ray_jax_train.mesh import get_mesh, make_mesh
-from ray_jax_train.trainer import JaxTrainer, init_ray
+from ray_jax_train._imports import uninterrupted_imports as _uninterrupted_imports
+
+# Ray cancels a task by an interrupt and reuses its worker: an import of ours cut there must not leave the
+# worker's fsspec (or any package) half-made for every later task (see _imports.py).
+with _uninterrupted_imports("ray_jax_train"):
+    from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
+    from ray_jax_train.data import (DataError, DataTypeError, DataValueError, IteratorsOutOfStepError,
+                                    NoFullBatchError, batch_sharding, iter_jax_batches)
+    from ray_jax_train.data_config import JaxDataConfig
+    from ray_jax_train.mesh import get_mesh, make_mesh
+    from ray_jax_train.trainer import JaxTrainer, init_ray
 
 __version__ = "0.1.0"
 
@@ -82,11 +87,13 @@ _SUBMODULES = ("checkpoint", "cli", "config", "data", "lm", "mesh", "models", "p
 
 def __getattr__(name):
     if name in _SUBMODULES:
-        return importlib.import_module(f"ray_jax_train.{name}")
+        with _uninterrupted_imports():
+            return importlib.import_module(f"ray_jax_train.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ray_jax_train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    with _uninterrupted_imports():
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -23,27 +23,38 @@ def _without(finder) -> None:
         sys.meta_path = [f for f in sys.meta_path if f is not finder]
 
 
-class _Loader(importlib.abc.Loader):
-    """The module's own loader, then `then()`."""
+class WrappedLoader(importlib.abc.Loader):
+    """A module's own loader, for a subclass to run code around ``exec_module``; the module sees its own loader."""
 
-    def __init__(self, loader, finder: "_Finder"):
-        self._loader, self._finder = loader, finder
+    def __init__(self, loader):
+        self._loader = loader
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        module.__loader__ = self._loader  # the module sees its own loader (resources, reloads)
+        module.__loader__ = self._loader  # resources and reloads go through the module's own loader
         module.__spec__.loader = self._loader
-        self._loader.exec_module(module)  # a failed import leaves the finder for the next try
+        self._loader.exec_module(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _Loader(WrappedLoader):
+    """The module's own loader, then `then()`."""
+
+    def __init__(self, loader, finder: "_Finder"):
+        super().__init__(loader)
+        self._finder = finder
+
+    def exec_module(self, module):
+        super().exec_module(module)  # a failed import leaves the finder for the next try
         _without(self._finder)
         try:
             self._finder.then()
         except Exception:  # noqa: BLE001 - the user's import succeeded; what runs after it must not fail it
             logger.warning("After importing %s: %s failed", self._finder.name, self._finder.then, exc_info=True)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

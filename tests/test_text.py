@@ -712,6 +712,52 @@ def test_a_half_made_huggingface_hub_module_does_not_fail_the_stream_read():
     assert done.returncode == 0 and done.stdout.strip() == "x", done.stderr[-2000:]
 
 
+_CUT_IMPORT = """
+import _thread, importlib.abc, sys
+
+class CutAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == {cut!r}:
+            sys.meta_path.remove(self)
+            if {by_signal}:
+                _thread.interrupt_main()  # what Ray's cancel of a running task does in the worker
+            else:
+                raise KeyboardInterrupt  # an import failing there (an error, a signal the import got anyway)
+        return None
+
+import ray.data  # a Ray Data worker's own imports
+sys.meta_path.insert(0, CutAt())
+try:
+    {statement}
+    import time; time.sleep(1)  # a signal not raised by now was lost
+except KeyboardInterrupt:
+    assert not {by_signal} or {finished!r} in sys.modules, "the cancel cut the import short"
+else:
+    raise SystemExit("the import was not interrupted at {cut}")
+{statement}  # the worker's next task
+{check}
+print("whole")
+"""
+
+
+@pytest.mark.parametrize("by_signal", [True, False], ids=["cancel", "failure"])
+@pytest.mark.parametrize("statement, cut, finished, check", [
+    # CI: Ray cut a worker's import of this package; fsspec.utils stayed without its fsspec, and every later task
+    # on that worker failed with "partially initialized module 'fsspec' has no attribute 'utils'".
+    ("import ray_jax_train", "fsspec.config", "fsspec", "import fsspec; assert fsspec.utils.compressions"),
+    # A stream's read task imports datasets; cut there, a plain re-import failed ("partially initialized module
+    # 'datasets' has no attribute 'utils'"), and dropping the finished modules failed too (pyarrow refuses to
+    # register datasets' extension types twice).
+    ("from ray_jax_train.text.hf_stream import import_datasets; import_datasets()", "datasets.formatting",
+     "datasets", "import datasets; assert datasets.Dataset.from_list([{'a': 1}])[0] == {'a': 1}"),
+], ids=["ray_jax_train", "datasets"])
+def test_an_import_a_cancel_cuts_leaves_the_worker_able_to_import_again(statement, cut, finished, check, by_signal):
+    """Ray's cancel waits for the import to finish; an import that fails anyway can be made again."""
+    script = _CUT_IMPORT.format(statement=statement, cut=cut, finished=finished, check=check, by_signal=by_signal)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "whole", done.stderr[-3000:]
+
+
 def test_files_are_read_on_the_driver_node_when_other_nodes_lack_them(ray_cluster, tmp_path, monkeypatch):
     """Files the driver found but another node lacks are read on the driver's node (Ray's local:// scheme); files
     every node sees (a shared filesystem) keep distributed reads. This machine holds one node, so the other node's

@@ -19,6 +19,8 @@ from typing import Iterator
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from ray_jax_train._imports import uninterrupted_imports
+
 _IMPORT_LOCK = threading.Lock()
 _HALF_IMPORTED = ("datasets", "huggingface_hub")  # the packages whose half-made modules break the import
 
@@ -33,7 +35,8 @@ def import_datasets():
     with _IMPORT_LOCK:
         for attempt in range(3):
             try:
-                import datasets
+                with uninterrupted_imports():  # a cancel cutting this import leaves no half-made fsspec or hub module
+                    import datasets
                 return datasets
             except ModuleNotFoundError as error:
                 if error.name == "datasets" or attempt == 2:  # not installed here: nothing to wait for

@@ -8,6 +8,7 @@ import re
 from typing import Iterable
 
 from .errors import NoChatTemplateError
+from .._imports import uninterrupted_imports
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, *, min_frequen
     small corpus may yield fewer merges. With ``save_dir`` it is also saved there, ready for
     ``AutoTokenizer.from_pretrained(save_dir)`` offline.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    with uninterrupted_imports():  # a Ray Data worker's import, cut by a cancel, must not leave it half-made
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
 
     special = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS]
     # Wrong input gave a byte-only tokenizer of 262 tokens without a word, or failed inside the tokenizers library
@@ -101,7 +103,8 @@ def load_tokenizer(tokenizer_or_path):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist; save one with "
                                     f"tokenizer.save_pretrained(dir) or train_tokenizer(..., save_dir=dir)")
-        from transformers import AutoTokenizer
+        with uninterrupted_imports():  # a Ray Data worker's import, cut by a cancel, must not leave it half-made
+            from transformers import AutoTokenizer
 
         try:
             return AutoTokenizer.from_pretrained(path, local_files_only=True)
