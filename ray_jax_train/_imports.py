@@ -102,8 +102,12 @@ def _interrupts_held():
         yield  # only the main thread receives signals, and only it may set their handlers
         return
     held = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # a handler set outside Python: it could not be put back
+        yield
+        return
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
     except (ValueError, OSError):  # not the main interpreter
         yield
         return
@@ -113,6 +117,8 @@ def _interrupts_held():
         signal.signal(signal.SIGINT, previous)
         if held and callable(previous):
             previous(signal.SIGINT, held[0])  # Python's default raises KeyboardInterrupt here, after the imports
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)  # the default action, as the signal would have had
 
 
 @contextlib.contextmanager
