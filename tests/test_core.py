@@ -95,10 +95,15 @@ def _collectives_and_batches(config):
         json.dump(out, f)
 
 
-def _placement_group_cleaners() -> int:
+def _actors_started(class_name: str) -> int:
+    """How many actors of the class this cluster started, dead ones included."""
     import ray._private.state
 
-    return sum(a.get("ActorClassName") == "PlacementGroupCleaner" for a in ray._private.state.actors().values())
+    return sum(a.get("ActorClassName") == class_name for a in ray._private.state.actors().values())
+
+
+def _placement_group_cleaners() -> int:
+    return _actors_started("PlacementGroupCleaner")
 
 
 def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
@@ -106,11 +111,12 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    cleaners = _placement_group_cleaners()
+    cleaners, managers = _placement_group_cleaners(), _actors_started("DatasetManager")
     result = _fit(_collectives_and_batches, tmp_path, config={"out": str(out)},
                   jax_config=rjt.JaxConfig(num_cpu_devices=2, compilation_cache=False, cpu_affinity=True),
                   datasets={"train": ray.data.range(32)})
     assert result.error is None
+    assert _actors_started("DatasetManager") == managers + 1  # Ray Train's, which hands out the shards
     # This cluster has no dashboard, so Ray Train's placement-group cleaner could only fail its State API query
     # (and log a warning) every second: none is started.
     assert _placement_group_cleaners() == cleaners
@@ -316,6 +322,13 @@ def _independent_process(config):
         out["checkpointer"] = "saved"
     except RuntimeError as exc:
         out["checkpointer"] = str(exc)
+    try:  # this run was given no datasets
+        rjt.iter_jax_batches("train", batch_size=2, mesh=rjt.get_mesh())
+    except ValueError as exc:
+        out["dataset_error"] = str(exc)
+    import ray.data
+
+    out["preserve_order"] = ray.data.DataContext.get_current().execution_options.preserve_order
     rank = ray.train.get_context().get_world_rank()
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -329,9 +342,22 @@ def test_distributed_false_gives_each_worker_its_own_jax(ray_cluster, tmp_path):
     # num_cpu_devices=1 overrode, and which JAX, imported before env_vars are applied, never read.
     config = rjt.JaxConfig(distributed=False, mesh={"dp": 2}, compilation_cache=False,
                            env_vars={"JAX_PLATFORMS": "cpu,cuda", "JAX_NUM_CPU_DEVICES": 2})
-    result = _fit(_independent_process, tmp_path, config={"out": str(out)}, jax_config=config)
+    import ray.data
+
+    # Given no datasets, the run starts no DatasetManager actor (Ray Train's would only answer "not found"), while
+    # the driver's DataContext still reaches the workers.
+    managers, context = _actors_started("DatasetManager"), ray.data.DataContext.get_current()
+    was = context.execution_options.preserve_order
+    context.execution_options.preserve_order = not was
+    try:
+        result = _fit(_independent_process, tmp_path, config={"out": str(out)}, jax_config=config)
+    finally:
+        context.execution_options.preserve_order = was
     assert result.error is None
+    assert _actors_started("DatasetManager") == managers
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(info["preserve_order"] is (not was) for info in ranks), ranks
+    assert all("No dataset named 'train' was given to the trainer" in info["dataset_error"] for info in ranks), ranks
     for info in ranks:
         # The loop could still call jax.distributed.initialize itself: JAX's backend had not started.
         assert info["backend_started_before_loop"] is False and info["jax_distributed"] is False, info
