@@ -15,15 +15,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rjt_test_compilation_cache_")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-# XLA:CPU's LLVM code generation at -O0 for the whole session: this process, and the Ray workers, CLI runs and
-# `ray start` nodes that inherit this environment. The programs here are tiny, so compiling them is most of what
-# a test's first step costs, and -O0 compiles the tiny Llama's train step in about 60% of the time (measured on
-# the 2-core VM: step 1 at 8-9 s instead of 13-15 s; tests/test_distributed_trainer.py 306 s -> 258 s). Only LLVM's
-# optimisation of the emitted kernels is skipped: the HLO passes (SPMD partitioning, fusion, collectives) are the
-# ones users get. Workers given XLA_FLAGS of their own (a test's runtime_env) compile as users' do.
-_O0 = "--xla_backend_optimization_level=0"
-if _O0 not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_O0}".strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 4)
