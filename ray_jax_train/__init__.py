@@ -15,6 +15,7 @@ with _uninterrupted_imports("ray_jax_train"):
     from ray_jax_train.data import (DataError, DataTypeError, DataValueError, IteratorsOutOfStepError,
                                     NoFullBatchError, batch_sharding, iter_jax_batches)
     from ray_jax_train.data_config import JaxDataConfig
+    from ray_jax_train.errors import UsageError, UsageTypeError, UsageValueError
     from ray_jax_train.mesh import get_mesh, make_mesh
     from ray_jax_train.trainer import JaxTrainer, init_ray
 
@@ -77,7 +78,8 @@ _LAZY = {
 
 __all__ = ["JaxConfig", "JaxDataConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
            "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", "DataError",
-           "DataTypeError", "DataValueError", "IteratorsOutOfStepError", *_LAZY]
+           "DataTypeError", "DataValueError", "IteratorsOutOfStepError", "UsageError", "UsageTypeError",
+           "UsageValueError", *_LAZY]
 
 
 # Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.

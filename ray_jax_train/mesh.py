@@ -5,6 +5,8 @@ import math
 import numbers
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
+from ray_jax_train.errors import UsageValueError
+
 # Axes that split the batch, in the order a batch dimension is sharded over them.
 BATCH_AXES = ("dp", "fsdp", "data")
 
@@ -17,32 +19,32 @@ def validate_axes(axes: AxesLike) -> Dict[str, int]:
         axes = list(zip(axes.axis_names, axes.axis_dims))
     shape_hint = "mesh axes are a mapping such as {'dp': -1} or (name, size) pairs such as [('dp', 2), ('tp', 4)]"
     if isinstance(axes, (str, bytes)) or not isinstance(axes, (Mapping, Iterable)):
-        raise ValueError(f"Mesh axes {axes!r}: {shape_hint}.")
+        raise UsageValueError(f"Mesh axes {axes!r}: {shape_hint}.")
     if isinstance(axes, Mapping):
         items = list(axes.items())
     else:  # pairs: a list, zip(names, sizes), dict.items(), a generator, an array of pairs
         items = [tuple(item) if isinstance(item, Iterable) and not isinstance(item, (str, bytes)) else item
                  for item in axes]
         if any(not isinstance(item, tuple) or len(item) != 2 for item in items):
-            raise ValueError(f"Mesh axes {items!r}: {shape_hint}.")
+            raise UsageValueError(f"Mesh axes {items!r}: {shape_hint}.")
     if not items:
-        raise ValueError("A mesh needs at least one axis, e.g. {'dp': -1}.")
+        raise UsageValueError("A mesh needs at least one axis, e.g. {'dp': -1}.")
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
-        raise ValueError(f"Mesh axis names must be unique, got {names}.")
+        raise UsageValueError(f"Mesh axis names must be unique, got {names}.")
     for i, (name, size) in enumerate(items):
         if not isinstance(name, str) or not name:
-            raise ValueError(f"Mesh axis names must be non-empty strings, got {name!r}.")
+            raise UsageValueError(f"Mesh axis names must be non-empty strings, got {name!r}.")
         # numpy integers (from np.prod, a config array) are sizes too; bool is an int to Python but no size.
         if not isinstance(size, numbers.Integral) or isinstance(size, bool):
-            raise ValueError(f"Mesh axis {name!r} has size {size!r} of type {type(size).__name__}; sizes are "
-                             "integers >= 1, or -1 to infer one.")
+            raise UsageValueError(f"Mesh axis {name!r} has size {size!r} of type {type(size).__name__}; sizes are "
+                                  "integers >= 1, or -1 to infer one.")
         if size < 1 and size != -1:
-            raise ValueError(f"Mesh axis {name!r} has size {size!r}; sizes are integers >= 1, or -1 to infer one.")
+            raise UsageValueError(f"Mesh axis {name!r} has size {size!r}; sizes are integers >= 1, or -1 to infer one.")
         items[i] = (name, int(size))
     inferred = [name for name, size in items if size == -1]
     if len(inferred) > 1:
-        raise ValueError(
+        raise UsageValueError(
             f"Mesh axes {inferred} are all -1, but only one size can be inferred from the device count. "
             "Give all but one of them a size."
         )
@@ -55,14 +57,14 @@ def resolve_axes(axes: AxesLike, num_devices: int) -> Dict[str, int]:
     known = math.prod(size for size in axes.values() if size != -1)
     if -1 in axes.values():
         if num_devices % known:
-            raise ValueError(
+            raise UsageValueError(
                 f"Mesh axes {axes}: the fixed sizes multiply to {known}, which does not divide the "
                 f"{num_devices} devices, so the -1 axis cannot be inferred. Choose sizes whose product divides "
                 f"{num_devices}."
             )
         return {name: (num_devices // known if size == -1 else size) for name, size in axes.items()}
     if known != num_devices:
-        raise ValueError(
+        raise UsageValueError(
             f"Mesh axes {axes} multiply to {known} devices, but there are {num_devices}. "
             "Make the sizes multiply to the device count, or set one axis to -1 to infer it."
         )
@@ -114,7 +116,7 @@ def batch_axes_of(mesh, batch_axes: Optional[Sequence[str]] = None) -> Tuple[str
     if batch_axes is None:
         found = tuple(name for name in BATCH_AXES if name in mesh.axis_names)
         if not found:
-            raise ValueError(
+            raise UsageValueError(
                 f"The mesh axes {tuple(mesh.axis_names)} include none of the batch axes {BATCH_AXES}. "
                 "Name a data axis 'dp', 'fsdp' or 'data', or pass batch_axes=(...) explicitly."
             )
@@ -122,7 +124,7 @@ def batch_axes_of(mesh, batch_axes: Optional[Sequence[str]] = None) -> Tuple[str
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
     missing = [name for name in batch_axes if name not in mesh.axis_names]
     if missing:
-        raise ValueError(f"batch_axes {missing} are not axes of the mesh {tuple(mesh.axis_names)}.")
+        raise UsageValueError(f"batch_axes {missing} are not axes of the mesh {tuple(mesh.axis_names)}.")
     return batch_axes
 
 

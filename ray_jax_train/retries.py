@@ -10,7 +10,8 @@ for good, and Ray's memory monitor kills look like lost workers.
 
 An exception class says it is such an error with the class attribute `retry_repeats_it = True`; the library's own
 (CheckpointMismatchError, RestoreTargetError, NonFiniteLossError, NoLossTokensError, TextDataError, the data
-path's DataError and IteratorsOutOfStepError) do, and a
+path's DataError and IteratorsOutOfStepError, and UsageError: a mesh, rule, state or argument of a call into the
+library that cannot work as written) do, and a
 custom loop's exceptions may too; so does a permission error (EACCES, EPERM, EROFS: storage the run may not write in). The worker marks the error it raises when such an error is in its chain (as the
 `from` cause of another, say): the chain does not survive the trip to the controller, the mark does.
 """

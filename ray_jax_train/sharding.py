@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ray_jax_train.errors import UsageTypeError, UsageValueError
 from ray_jax_train.mesh import BATCH_AXES, make_mesh, resolve_axes, validate_axes
 
 __all__ = [
@@ -70,18 +71,19 @@ class PartitionRules:
             try:
                 pattern, spec = item
             except (TypeError, ValueError):
-                raise ValueError(f"A partition rule is a (regex, PartitionSpec) pair, got {item!r}.") from None
+                raise UsageValueError(f"A partition rule is a (regex, PartitionSpec) pair, got {item!r}.") from None
             try:
                 compiled = re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"Partition rule regex {pattern!r} does not compile: {exc}.") from None
+                raise UsageValueError(f"Partition rule regex {pattern!r} does not compile: {exc}.") from None
             if spec is None:
                 spec = PartitionSpec()
             elif not isinstance(spec, PartitionSpec):
                 if isinstance(spec, (tuple, list)):
                     spec = PartitionSpec(*spec)
                 else:
-                    raise ValueError(f"Partition rule {pattern!r} maps to {spec!r}; use a jax.sharding.PartitionSpec.")
+                    raise UsageValueError(f"Partition rule {pattern!r} maps to {spec!r}; use a "
+                                          "jax.sharding.PartitionSpec.")
             rules.append((compiled.pattern, spec))
         object.__setattr__(self, "rules", tuple(rules))
         object.__setattr__(self, "optional_axes", tuple(self.optional_axes))
@@ -193,14 +195,14 @@ def spec_for(path: str, shape: Sequence[int], mesh, rules: Union[PartitionRules,
         default = (" These are the built-in Llama rules (rules=None): for a model of your own pass rules, e.g. "
                    "[(r'.*', PartitionSpec())] to replicate every leaf (data parallel)."
                    if rules.rules == llama_partition_rules().rules else "")
-        raise ValueError(
+        raise UsageValueError(
             f"No partition rule matches {path!r} (shape {shape}). Add a (regex, PartitionSpec) rule for it, "
             f"e.g. (r'{tail}$', PartitionSpec()) to replicate it; rules tried: {[p for p, _ in rules.rules]}.{default}"
         )
     pattern, spec = found
     sizes = _mesh_sizes(mesh)
     if len(spec) > len(shape):
-        raise ValueError(
+        raise UsageValueError(
             f"Rule {pattern!r} gives {path!r} the spec {spec} with {len(spec)} entries, but the array has shape "
             f"{shape} ({len(shape)} dims). Write a rule for this leaf with at most {len(shape)} entries."
         )
@@ -211,17 +213,17 @@ def spec_for(path: str, shape: Sequence[int], mesh, rules: Union[PartitionRules,
             if axis not in sizes:
                 if axis in rules.optional_axes:
                     continue
-                raise ValueError(
+                raise UsageValueError(
                     f"Rule {pattern!r} shards {path!r} (shape {shape}) over mesh axis {axis!r}, but the mesh has "
                     f"only axes {tuple(sizes)}. Add {axis!r} to the mesh (size 1 is fine) or fix the rule."
                 )
             if axis in used:
-                raise ValueError(f"Rule {pattern!r} uses mesh axis {axis!r} twice in {spec} for {path!r}.")
+                raise UsageValueError(f"Rule {pattern!r} uses mesh axis {axis!r} twice in {spec} for {path!r}.")
             used.add(axis)
             axes.append(axis)
         split = math.prod(sizes[a] for a in axes)
         if size % split:
-            raise ValueError(
+            raise UsageValueError(
                 f"Cannot shard {path!r} (shape {shape}): dimension {dim} of size {size} is not divisible by "
                 f"{split}, the product of mesh axes {dict((a, sizes[a]) for a in axes)} (rule {pattern!r} -> {spec}). "
                 "Choose mesh sizes that divide it, or a rule that does not split this dimension."
@@ -331,9 +333,9 @@ def shard_by_rules(tree, mesh, rules: Union[PartitionRules, RuleList, None] = No
         if isinstance(x, str):
             return x  # a run tag: nothing to place, and save() keeps it as it is
         if not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
-            raise TypeError(f"shard_by_rules: the leaf {jax.tree_util.keystr(path) or '(the tree itself)'} is a "
-                            f"{type(x).__module__}.{type(x).__qualname__}, not an array: JAX sees it as one opaque "
-                            f"value, with nothing to place.{unregistered_class_hint(x)}")
+            raise UsageTypeError(f"shard_by_rules: the leaf {jax.tree_util.keystr(path) or '(the tree itself)'} is a "
+                                 f"{type(x).__module__}.{type(x).__qualname__}, not an array: JAX sees it as one "
+                                 f"opaque value, with nothing to place.{unregistered_class_hint(x)}")
         return place(x, sharding, path_str(path))
 
     placed = jax.tree_util.tree_map_with_path(place_leaf, tree, shardings)
@@ -453,7 +455,7 @@ def check_llama_parallelism(config, mesh, batch_size: Optional[int] = None, *, t
         kv = config.num_key_value_heads
         if tp > kv or kv % tp:
             divisors = [d for d in range(1, kv + 1) if kv % d == 0]
-            raise ValueError(
+            raise UsageValueError(
                 f"Mesh axis {tp_axis!r}={tp} cannot split the model's {kv} key/value heads "
                 f"(num_attention_heads={config.num_attention_heads}): tensor parallelism keeps whole heads on a "
                 f"device, so {tp_axis} must divide num_key_value_heads. Use {tp_axis} in {divisors} and put the "
@@ -466,9 +468,9 @@ def check_llama_parallelism(config, mesh, batch_size: Optional[int] = None, *, t
                        f"vocab_size) {-(-value // tp) * tp}, a multiple of {tp} (rows no token id uses)"
                        if name == "vocab_size" else
                        f"use a multiple of {tp} for {name}")
-                raise ValueError(f"{name}={value} is not divisible by mesh axis {tp_axis!r}={tp}: tensor parallelism "
-                                 f"splits it evenly over the {tp} devices. Set {tp_axis}=1 (dp/fsdp instead), or "
-                                 f"{fix}.")
+                raise UsageValueError(f"{name}={value} is not divisible by mesh axis {tp_axis!r}={tp}: tensor "
+                                      f"parallelism splits it evenly over the {tp} devices. Set {tp_axis}=1 (dp/fsdp "
+                                      f"instead), or {fix}.")
     if batch_size is not None:
         from ray_jax_train.data import check_batch_size
 
@@ -522,7 +524,7 @@ def _granule_key(device, granule: str) -> int:
 
 def _pick_granule(devices, granule: str) -> str:
     if granule not in ("auto", "slice", "process"):
-        raise ValueError(f"granule={granule!r}; use 'auto', 'slice' (TPU slices) or 'process' (hosts).")
+        raise UsageValueError(f"granule={granule!r}; use 'auto', 'slice' (TPU slices) or 'process' (hosts).")
     if granule != "auto":
         return granule
     slices = {getattr(d, "slice_index", None) for d in devices}
@@ -553,31 +555,31 @@ def hybrid_device_grid(axes, dcn: Optional[Union[Mapping[str, int], Sequence[int
     if not isinstance(dcn, Mapping):
         dcn = list(dcn)
         if len(dcn) != len(names):
-            raise ValueError(f"dcn sizes {dcn} must align with the mesh axes {names} (one size per axis).")
+            raise UsageValueError(f"dcn sizes {dcn} must align with the mesh axes {names} (one size per axis).")
         dcn = dict(zip(names, dcn))
     unknown = [name for name in dcn if name not in sizes]
     if unknown:
-        raise ValueError(f"dcn names axes {unknown} that are not mesh axes {names}.")
+        raise UsageValueError(f"dcn names axes {unknown} that are not mesh axes {names}.")
     granule = _pick_granule(devices, granule)
     num_granules = len({_granule_key(d, granule) for d in devices})
     dcn = dict(dcn)
     dcn_known = math.prod(v for v in dcn.values() if v != -1)
     inferred = [n for n, v in dcn.items() if v == -1]
     if len(inferred) > 1:
-        raise ValueError(f"dcn sizes {dcn}: only one can be -1.")
+        raise UsageValueError(f"dcn sizes {dcn}: only one can be -1.")
     if inferred:
         if num_granules % dcn_known:
-            raise ValueError(f"dcn sizes {dcn} cannot be inferred for {num_granules} {_plural(granule)}.")
+            raise UsageValueError(f"dcn sizes {dcn} cannot be inferred for {num_granules} {_plural(granule)}.")
         dcn[inferred[0]] = num_granules // dcn_known
     dcn_shape = [int(dcn.get(name, 1)) for name in names]
     if any(v < 1 for v in dcn_shape) or math.prod(dcn_shape) != num_granules:
-        raise ValueError(
+        raise UsageValueError(
             f"dcn sizes {dict(zip(names, dcn_shape))} multiply to {math.prod(dcn_shape)}, but the devices form "
             f"{num_granules} {_plural(granule)}. Make the dcn sizes multiply to the number of {_plural(granule)}."
         )
     bad = {n: (sizes[n], d) for n, d in zip(names, dcn_shape) if sizes[n] % d}
     if bad:
-        raise ValueError(
+        raise UsageValueError(
             f"Mesh axes {', '.join(f'{n}={s}' for n, (s, _) in bad.items())} are not divisible by their dcn sizes "
             f"{', '.join(f'{n}={d}' for n, (_, d) in bad.items())}; each axis is dcn blocks of equal size."
         )

@@ -377,6 +377,11 @@ def test_a_checkpoint_of_another_state_is_a_mismatch_not_corruption(uninterrupte
     assert _state_mismatch(whole, {"params": array}).endswith("pass partial=True")
     assert _state_mismatch(whole, {"params": array}, partial=True) is None
     assert "partial=True" not in _state_mismatch(whole, {"params": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    # A step that became a Python number in the loop (saved as int64) against the placed int32 the run starts from.
+    step = {"step": jax.ShapeDtypeStruct((), jnp.int64), "w": array}
+    said = _state_mismatch(step, {"step": jax.ShapeDtypeStruct((), jnp.int32), "w": array})
+    assert "step int64 vs int32" in said and "a 0-d leaf such as 'step' was saved as int64" in said, said
+    assert "0-d leaf" not in _state_mismatch({"w": array}, {"w": jax.ShapeDtypeStruct((4,), jnp.bfloat16)})
     # A model restored on its own from a checkpoint of {"model": ..., "opt": ...}: the error names the nesting.
     nested = {"model": {"blocks": {"w": array, "b": array}}, "opt": {"blocks": {"w": array}}}
     for partial in (False, True):

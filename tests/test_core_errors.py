@@ -706,11 +706,21 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
     wrapped.__cause__ = MissingColumnError("no text column")
     # The chain is lost on the way (a review: a wrapped error was retried); the worker's mark is not.
     assert not repeats_on_retry(pickle.loads(pickle.dumps(wrapped)))
+    # The library's own refusals of how it is called, in a worker's loop (a review: a loop that reported, then
+    # saved a state it had not placed, restarted forever with max_failures=-1).
+    from ray_jax_train.sharding import PartitionRules
+
+    usage = []
+    for call in (lambda: rjt.make_mesh({"dp": 3}), lambda: PartitionRules([("w",)]),
+                 lambda: rjt.JaxCheckpointer(save_every=0)):
+        with pytest.raises(ValueError) as refused:
+            call()
+        usage.append(refused.value)
     unwritable = RuntimeError("saving the model failed")
     unwritable.__cause__ = PermissionError(errno.EACCES, "Permission denied", "/runs/x/final_model")
     for repeated in (CheckpointMismatchError("shapes differ"), wrapped, _MyDataIsWrong("bad"),
                      rjt.NonFiniteLossError("nan"), rjt.NoFullBatchError("too few rows"), unwritable,
-                     OSError(errno.EROFS, "Read-only file system")):
+                     OSError(errno.EROFS, "Read-only file system"), *usage):
         policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1))
         decision = policy.make_decision(failed(lost, as_the_controller_gets_it(repeated)))
         assert decision == FailureDecision.RAISE, repeated
@@ -731,6 +741,36 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
     # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
     assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))
     assert not repeats_on_retry(ConnectionError(errno.ECONNRESET, "reset")) and not repeats_on_retry(OSError(errno.EIO, "io"))
+
+
+def test_a_call_the_library_refuses_ends_the_run_at_its_first_attempt_though_it_reported(ray_cluster, tmp_path):
+    """A loop that reported, then called save_and_report with nothing to save (a plain ValueError then): each
+    attempt reported (progress, so the rule below never stopped it) and failed alike, and FailureConfig restarted
+    the group max_failures times, forever with -1 (a review). Now the first attempt's error is the run's."""
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+
+    def loop():
+        import os
+
+        import ray.train
+
+        import ray_jax_train as rjt
+
+        n = len(os.listdir(attempts)) + 1
+        open(attempts / str(n), "w").close()
+        ray.train.report({"attempt": n})
+        rjt.save_and_report(1, {})
+
+    with pytest.raises(WorkerGroupError) as failed:
+        rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
+                       run_config=RunConfig(name="refused-call", storage_path=str(tmp_path / "runs"),
+                                            failure_config=FailureConfig(max_failures=2))).fit()
+    assert sorted(os.listdir(attempts)) == ["1"], os.listdir(attempts)
+    assert "UsageValueError" in str(failed.value) and "the state has no leaves to save" in str(failed.value)
 
 
 def test_attempts_that_die_before_their_first_report_end_the_run(ray_cluster, tmp_path, monkeypatch):

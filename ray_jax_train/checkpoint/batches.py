@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Unio
 import numpy as np
 
 from ray_jax_train.data import _prefetched, _select, batch_sharding, check_batch_size
+from ray_jax_train.errors import UsageValueError
 
 
 def _load_columns(data, columns, order_by) -> Dict[str, np.ndarray]:
@@ -46,19 +47,19 @@ def _load_columns(data, columns, order_by) -> Dict[str, np.ndarray]:
                 parts.setdefault(key, []).append(np.asarray(value))
         out = {k: np.concatenate(v) for k, v in parts.items()}
     if not out:
-        raise ValueError("ResumableBatches got a dataset with no columns or no rows.")
+        raise UsageValueError("ResumableBatches got a dataset with no columns or no rows.")
     lengths = {k: len(v) for k, v in out.items()}
     if len(set(lengths.values())) != 1:
-        raise ValueError(f"Columns have different lengths: {lengths}.")
+        raise UsageValueError(f"Columns have different lengths: {lengths}.")
     if order_by is not None:
         if order_by not in out:
-            raise ValueError(f"order_by={order_by!r} is not a column; columns are {sorted(out)}.")
+            raise UsageValueError(f"order_by={order_by!r} is not a column; columns are {sorted(out)}.")
         order = np.argsort(out[order_by], kind="stable")
         out = {k: v[order] for k, v in out.items()}
     if columns is not None:
         missing = [c for c in columns if c not in out]
         if missing:
-            raise ValueError(f"Columns {missing} are not in the dataset; it has {sorted(out)}.")
+            raise UsageValueError(f"Columns {missing} are not in the dataset; it has {sorted(out)}.")
         out = {c: out[c] for c in columns}
     return out
 
@@ -98,7 +99,7 @@ class ResumableBatches:
         self.seed = int(seed)
         self.shuffle = shuffle
         if not isinstance(prefetch, int) or prefetch < 1:  # 0 would be an unbounded queue, not "no prefetch"
-            raise ValueError(f"prefetch={prefetch!r} must be a positive integer.")
+            raise UsageValueError(f"prefetch={prefetch!r} must be a positive integer.")
         self.prefetch = prefetch
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
         problem = None
@@ -109,7 +110,7 @@ class ResumableBatches:
             self.num_rows = len(next(iter(self.columns.values())))
             self.batches_per_epoch = self.num_rows // batch_size
             if self.batches_per_epoch == 0:
-                raise ValueError(f"{self.num_rows} rows are fewer than one global batch of {batch_size}.")
+                raise UsageValueError(f"{self.num_rows} rows are fewer than one global batch of {batch_size}.")
         except ValueError as exc:
             problem = str(exc)
         self._check_same_rows_everywhere(problem)
@@ -134,9 +135,9 @@ class ResumableBatches:
         shared = [json.loads(v) for v in _sync.allgather("resumable_rows", json.dumps([problem, fingerprint]))]
         problems = [f"process {p}: {text}" for p, (text, _) in enumerate(shared) if text]
         if problems:
-            raise ValueError("ResumableBatches: " + "; ".join(problems))
+            raise UsageValueError("ResumableBatches: " + "; ".join(problems))
         if len({tuple(f) for _, f in shared if f}) > 1:
-            raise ValueError(
+            raise UsageValueError(
                 "ResumableBatches: the workers hold different rows (row counts "
                 f"{[f[0] for _, f in shared]}, or the same count in another order), so the global batches would not "
                 "be a function of (seed, step). Give every worker the whole dataset in one order: "
@@ -160,7 +161,7 @@ class ResumableBatches:
         here = self.position(step)
         saved = {k: v for k, v in (data_state or {}).items() if k in here}  # older positions hold fewer keys
         if saved != {k: here[k] for k in saved}:
-            raise ValueError(
+            raise UsageValueError(
                 f"The checkpoint's data position {saved} does not match this data at step {step} "
                 f"({here}): the seed, batch size, row count or shuffle changed since it was saved. Resume with the "
                 "data settings it was saved with.")

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ray_jax_train.checkpoint import _s3, _sync, orbax_guard, signals
+from ray_jax_train.errors import UsageTypeError, UsageValueError
 from ray_jax_train.storage import require_fsspec_client
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,13 @@ def _state_mismatch(saved_tree, target, partial: bool = False, hint_partial: boo
     if hint_partial and parts and all(title == "only in the checkpoint" for title, items in groups if items):
         parts.append("to read only the arrays the target names (e.g. the params of a whole train state), pass "
                      "partial=True")
+    scalars = [(k, s, w) for k, s, w in groups[3][1] if saved[k][0] == ()]
+    if scalars:  # a review: `"step": step + 1` made a placed int32 array a Python int, saved as int64
+        k, s, w = scalars[0]
+        parts.append(f"a 0-d leaf such as '{'/'.join(k)}' was saved as {s} where this run starts from {w}: a "
+                     "Python number in the state (saved as int64 or float64) where the run starts from an array, "
+                     "or the reverse, is the usual cause; keep each leaf's type through the loop (update the array, "
+                     "e.g. state['step'] + 1, rather than put a new Python number in its place)")
     plain = [k for k in groups[1][1] if k[-1:] == ("value",) and k[:-1] in saved]
     if plain:  # the reverse of what _under_value reads: nnx Variables in the target, a pure dict in the checkpoint
         parts.append(f"the checkpoint holds {len(plain)} of this run's arrays without the '/value' level of an nnx "
@@ -244,7 +252,7 @@ def _uri_for(filesystem, fs_path: str) -> str:
         require_fsspec_client("gs")
     if scheme:
         return f"{scheme}://{fs_path.lstrip('/')}"
-    raise ValueError(
+    raise UsageValueError(
         f"ray_jax_train checkpoints are written by orbax straight into the run directory, but the storage "
         f"filesystem {type(filesystem).__name__} has no URI orbax can write. Use a local or shared path "
         "(NFS, Lustre, a mounted bucket) or a gs:// or s3:// storage_path."
@@ -592,13 +600,14 @@ def _check_json(name: str, value: Any) -> None:
     try:
         back = json.loads(json.dumps(value))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be JSON: {exc}. Convert numpy values with int()/float()/.tolist().") from None
+        raise UsageTypeError(f"{name} must be JSON: {exc}. Convert numpy values with int()/float()/"
+                             ".tolist().") from None
     if _json_types(back) == _json_types(value):
         return
     message = (f"{name}={value!r} does not survive JSON unchanged (it comes back as {back!r}): use str keys, lists "
                "instead of tuples, and plain int/float/str/bool/None values.")
     if _json_types(back) != _json_types(value, tuples_as_lists=True):
-        raise TypeError(message)
+        raise UsageTypeError(message)
     logger.warning(message)  # only tuples, back as lists: most loops read them alike
 
 
@@ -627,12 +636,12 @@ def _checked_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     metadata = dict(metadata or {})
     taken = sorted(set(metadata) & set(_OWN_META_KEYS))
     if taken:
-        raise ValueError(f"JaxCheckpointer(metadata=...) uses keys the checkpointer writes itself: {taken}; "
-                         "rename them.")
+        raise UsageValueError(f"JaxCheckpointer(metadata=...) uses keys the checkpointer writes itself: {taken}; "
+                              "rename them.")
     try:
         json.dumps(metadata)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"JaxCheckpointer(metadata=...) must be JSON-serialisable: {exc}") from None
+        raise UsageValueError(f"JaxCheckpointer(metadata=...) must be JSON-serialisable: {exc}") from None
     return metadata
 
 
@@ -713,8 +722,8 @@ def _plain_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
     def plain(key, value):
         if isinstance(value, (np.generic, np.ndarray, jax.Array)):
             if np.size(value) != 1:
-                raise TypeError(f"save(metrics=...): metrics[{key!r}] is an array of shape {np.shape(value)}; "
-                                "report numbers (e.g. float(x.mean())), and keep arrays in the state.")
+                raise UsageTypeError(f"save(metrics=...): metrics[{key!r}] is an array of shape {np.shape(value)}; "
+                                     "report numbers (e.g. float(x.mean())), and keep arrays in the state.")
             return np.asarray(value).item()
         return value
 
@@ -731,11 +740,11 @@ def _check_savable(state) -> None:
 
     leaves = jax.tree_util.tree_leaves_with_path(state)
     if not leaves:
-        raise ValueError("save(): the state has no leaves to save (an empty dict, or only None). Pass the arrays "
-                         "to checkpoint: params, optimizer state, step.")
+        raise UsageValueError("save(): the state has no leaves to save (an empty dict, or only None). Pass the arrays "
+                              "to checkpoint: params, optimizer state, step.")
     for path, leaf in leaves:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool, str)):
-            raise ValueError(  # ValueError, as orbax's own refusal was
+            raise UsageValueError(  # ValueError, as orbax's own refusal was
                 f"save(): the state's leaf {jax.tree_util.keystr(path) or '(the state itself)'} is a "
                 f"{type(leaf).__module__}.{type(leaf).__qualname__}, which orbax cannot save. Make it a pytree "
                 "(flax.struct.dataclass, jax.tree_util.register_dataclass, a NamedTuple) or save its fields in a "
@@ -775,7 +784,7 @@ def _check_host_values_agree(state, timeout_ms: int) -> None:
         return
     differ = _sync.keys_that_differ("host_values", mine, timeout_ms=timeout_ms)
     if differ:
-        raise ValueError(
+        raise UsageValueError(
             f"save(): the state's host value{'s' if len(differ) > 1 else ''} {_sync.differ_between_processes(differ)}"
             ". A host leaf (numpy, a Python number or string) is saved from "
             "process 0 only, and every process would restore that copy. Keep per-worker values out of the saved "
@@ -826,7 +835,7 @@ def _as_saved(state, what: str = "state", host_values: str = "refuse"):
 
     state = jax.tree_util.tree_map_with_path(host, state)
     if local and host_values == "refuse":
-        raise ValueError(
+        raise UsageValueError(
             f"The {what}'s {', '.join(local[:5])}{' ...' if len(local) > 5 else ''} "
             f"{'lives' if len(local) == 1 else f'({len(local)} leaves) live'} on this process's devices only, in a "
             f"job of {jax.process_count()} processes, where each process may hold a different one. Place the state "
@@ -855,11 +864,11 @@ def abstract_state(state, shardings=None):
         if isinstance(leaf, (int, float, str)) and not isinstance(leaf, np.generic):  # bool is an int
             return leaf  # a Python scalar restores as what it is
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
-                            f"{type(leaf).__module__}.{type(leaf).__qualname__}, not an array, number or string, "
-                            "so it has no shape and dtype to restore into (nor could it have been saved). Make "
-                            "it a pytree of arrays (flax.struct.dataclass, a NamedTuple), or restore(None, ...) "
-                            f"to read the state as saved.{unregistered_class_hint(leaf)}")
+            raise UsageTypeError(f"abstract_state: the state's leaf {jax.tree_util.keystr(path)} is a "
+                                 f"{type(leaf).__module__}.{type(leaf).__qualname__}, not an array, number or string, "
+                                 "so it has no shape and dtype to restore into (nor could it have been saved). Make "
+                                 "it a pytree of arrays (flax.struct.dataclass, a NamedTuple), or restore(None, ...) "
+                                 f"to read the state as saved.{unregistered_class_hint(leaf)}")
         sharding = sharding if sharding is not None else getattr(leaf, "sharding", None)
         if sharding is None and isinstance(leaf, (np.ndarray, np.generic)):
             return leaf  # a host value (a numpy RNG state, say): restored as numpy, as it was saved
@@ -995,9 +1004,9 @@ class JaxCheckpointer:
         orbax_info_logs: bool = False,
     ):
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
-            raise ValueError(f"save_every={save_every!r} must be a positive integer or None.")
+            raise UsageValueError(f"save_every={save_every!r} must be a positive integer or None.")
         if not isinstance(preemption_check_every, int) or preemption_check_every < 1:
-            raise ValueError(f"preemption_check_every={preemption_check_every!r} must be a positive integer.")
+            raise UsageValueError(f"preemption_check_every={preemption_check_every!r} must be a positive integer.")
         self.metadata = _checked_metadata(metadata)
         self.save_every = save_every
         self.async_save = async_save
@@ -1420,9 +1429,9 @@ class JaxCheckpointer:
         try:
             ray.train.get_context()
         except RuntimeError:  # Ray's message says where not to call it, not what to do instead
-            raise ValueError("restore() without a checkpoint restores the run's latest, which only the training "
-                             "workers know. Outside them (on the driver after fit(), say) pass the checkpoint: "
-                             "restore(target, result.checkpoint) or a checkpoint path.") from None
+            raise UsageValueError("restore() without a checkpoint restores the run's latest, which only the training "
+                                  "workers know. Outside them (on the driver after fit(), say) pass the checkpoint: "
+                                  "restore(target, result.checkpoint) or a checkpoint path.") from None
         self._check_shared_storage()
         latest = ray.train.get_checkpoint()
         # Clean up only before this checkpointer's first save: later (a mid-run rollback) a save of its own may
@@ -1543,13 +1552,13 @@ class JaxCheckpointer:
             mismatch = next((v for v, _, _ in verdicts if v and v.startswith(_MISMATCH)), None)
             run_dir = next((v for v, _, _ in verdicts if v and v.startswith(_RUN_DIR)), None)
             if run_dir and explicit:  # a mistaken path, not damage: no "corrupt" error in the log
-                raise ValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
+                raise UsageValueError(f"{loc.uri} {run_dir}. Pass one of them (Result.checkpoint is the run's latest).")
             if explicit and all(v == _GONE for v, _, _ in verdicts):  # a typo, not damage: no "corrupt" error
                 raise FileNotFoundError(f"{loc.uri} does not exist: pass a checkpoint directory (checkpoint_<step>_<id>"
                                         ", or Result.checkpoint)")
             if explicit and any(v and v.startswith(_A_FILE) for v, _, _ in verdicts):
-                raise ValueError(f"{loc.uri} {_A_FILE} (checkpoint_* beside it holds Ray's own bookkeeping files "
-                                 "too): pass a checkpoint_<step>_<id> directory, or Result.checkpoint.")
+                raise UsageValueError(f"{loc.uri} {_A_FILE} (checkpoint_* beside it holds Ray's own bookkeeping files "
+                                      "too): pass a checkpoint_<step>_<id> directory, or Result.checkpoint.")
             if mismatch:
                 fix = ("Give a checkpoint of this model, or the model settings it was saved with." if explicit else
                        "Resume with the model and optimizer settings the checkpoint was saved with, or start a fresh "

@@ -14,6 +14,8 @@ import functools
 import os
 import threading
 
+from ray_jax_train.errors import UsageValueError
+
 _local = threading.local()
 
 
@@ -43,7 +45,7 @@ def check_one_directory(directory) -> None:
     where = _sync.allgather("orbax save", _where(directory))
     if len(set(where)) > 1:
         shown = ", ".join(f"process {p}: {w}" for p, w in enumerate(where[:4])) + (" ..." if len(where) > 4 else "")
-        raise ValueError(
+        raise UsageValueError(
             f"orbax's save was called with a different directory on each worker ({shown}). In a jax.distributed "
             "job (this trainer's default) an orbax save is collective: every process writes its shards into one "
             "directory, and a directory per worker, as Ray's checkpoint guide shows for its own JaxTrainer, never "

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
+from ray_jax_train.errors import UsageValueError
 from ray_jax_train.lm.export import GENERATION_CONFIG, HF_CONFIG_KEY, MODEL_FILES
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     model_config = LlamaConfig.model_validate(config["model_config"])
     total_steps = int(config.get("total_steps") or args.total_steps or 0)
     if total_steps < 1:
-        raise ValueError("train_loop_per_worker needs total_steps (set TrainingArguments.total_steps, or let "
-                         "RayDistributedTrainer count it from num_epochs).")
+        raise UsageValueError("train_loop_per_worker needs total_steps (set TrainingArguments.total_steps, or "
+                              "let RayDistributedTrainer count it from num_epochs).")
     columns = list(config.get("columns") or DEFAULT_COLUMNS)
     rank0 = jax.process_index() == 0
 
@@ -207,7 +208,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         jax.block_until_ready(state)
         sums = [eval_step(state["params"], batch) for batch in eval_batches()]
         if not sums:  # every process agreed on no batch, so all raise here together
-            raise ValueError(
+            raise UsageValueError(
                 "The eval dataset gave no batch: Ray splits it equally, rows // workers to each, so it needs at "
                 f"least one packed row per worker ({jax.process_count()} processes). Give more eval text, or "
                 "fewer workers.")
@@ -785,7 +786,7 @@ def _loop_mesh(args):
 
     config = worker_config()
     if config is not None and not config.distributed and ray.train.get_context().get_world_size() > 1:
-        raise ValueError(
+        raise UsageValueError(
             f"JaxConfig(distributed=False) makes each of the {ray.train.get_context().get_world_size()} workers a JAX "
             "job of its own, so the built-in loop would train that many separate models. Leave distributed at its "
             "default (True), or train on one worker.")
@@ -794,8 +795,9 @@ def _loop_mesh(args):
         # Order matters too: the last axes stay within a process.
         if args.mesh and (list(resolve_axes(args.mesh, jax.device_count()).items())
                           != list(resolve_axes(own, jax.device_count()).items())):
-            raise ValueError(f"TrainingArguments(mesh={args.mesh}) and JaxConfig(mesh={own}) disagree; set the mesh in "
-                             "one place (TrainingArguments.mesh is what the driver checks the batch against).")
+            raise UsageValueError(f"TrainingArguments(mesh={args.mesh}) and JaxConfig(mesh={own}) disagree; set the "
+                                  "mesh in one place (TrainingArguments.mesh is what the driver checks the batch "
+                                  "against).")
         own = TrainingArguments.model_validate({**args.model_dump(), "mesh": own}).mesh
     return make_mesh(args.mesh or own or {"dp": -1}, dcn=config.dcn_mesh if config is not None else None)
 
