@@ -14,6 +14,7 @@ import numbers
 import os
 import re
 import shlex
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,12 +39,36 @@ def _loop_context():
     exchange for it fails at once, naming it, instead of at the exchange's timeout (a rank-0-only save)."""
     from ray_jax_train.checkpoint._sync import mark_loop_done
 
+    _prints_shown_once()
     try:
         yield
     except BaseException:
         mark_loop_done("raised")  # the others keep waiting: Ray ends the group with this worker's own error
         raise
     mark_loop_done("returned")
+
+
+def _prints_shown_once() -> None:
+    """A print() in the loop shows once on the driver, not twice.
+
+    Ray 2.60's Train sends a worker's print to its logger, whose console handler shows it, and to the stream too
+    where that is not the process's own (`sys.stdout is not sys.__stdout__`: a redirect_stdout of the loop's,
+    which should get its copy). But Ray's worker puts unbuffered wrappers of the same file descriptors in
+    sys.stdout and sys.stderr, so every print in every loop showed twice. Those wrappers are the process's own
+    streams; a redirect the loop makes is still one.
+    """
+    try:
+        from ray._private.utils import Unbuffered
+    except ImportError:  # pragma: no cover - a Ray that moved it: prints may show twice, nothing breaks
+        return
+    for name in ("stdout", "stderr"):
+        stream, own = getattr(sys, name), getattr(sys, f"__{name}__")
+        try:
+            same_file = own is not None and stream.fileno() == own.fileno()
+        except (AttributeError, OSError, ValueError):  # a stream without a descriptor: not Ray's wrapper
+            continue
+        if type(stream) is Unbuffered and same_file:
+            setattr(sys, f"__{name}__", stream)
 
 
 @dataclasses.dataclass

@@ -367,6 +367,38 @@ def test_distributed_false_gives_each_worker_its_own_jax(ray_cluster, tmp_path):
         assert "one jax.distributed job" in info["checkpointer"], info
 
 
+def _prints(config):
+    """Runs in the worker: prints to stdout and stderr, and once under a redirect_stdout of its own."""
+    import contextlib
+    import io
+
+    print(config["marker"], "to stdout")
+    print(config["marker"], "to stderr", file=sys.stderr)
+    with contextlib.redirect_stdout(io.StringIO()) as caught:
+        print(config["marker"], "redirected")
+    with open(config["out"], "w") as f:
+        f.write(caught.getvalue())
+
+
+def test_a_print_in_the_loop_shows_once(ray_cluster, tmp_path):
+    """Ray 2.60's Train showed every print of a worker twice: to its logger, and again to the stream, as Ray's own
+    unbuffered stream wrappers looked like a redirect. A redirect the loop makes still gets its copy."""
+    import glob
+    import uuid
+
+    import ray
+
+    marker = f"print-once-{uuid.uuid4().hex}"
+    result = _fit(_prints, tmp_path, config={"marker": marker, "out": str(tmp_path / "caught.txt")}, num_workers=1)
+    assert result.error is None
+    assert (tmp_path / "caught.txt").read_text() == f"{marker} redirected\n"
+    # What the worker wrote to its stdout and stderr, which Ray forwards to the driver line by line.
+    logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    shown = sorted(line.strip() for path in glob.glob(os.path.join(logs, "worker-*.[oe][ur][tr]"))
+                   for line in open(path, errors="replace") if marker in line)
+    assert shown == [f"{marker} redirected", f"{marker} to stderr", f"{marker} to stdout"], shown
+
+
 def _opened_out_of_step(config):
     """Runs in each worker: the processes open different iterators, then one a DataConfig left unsplit."""
     import ray.train
