@@ -3,10 +3,14 @@ data and checkpoint raise again on every attempt (a checkpoint of another model,
 cannot be read) ends the run at once: retried, it restarted the worker group `max_failures` times, and forever
 with `max_failures=-1`.
 
-Attempts that die before they report anything (a worker killed for memory at its first step, a node that cannot
-start the backend) end the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS (5) of them in a row, whatever
-`max_failures` allows: each such attempt starts where the last one did, so with `max_failures=-1` the run looped
-for good, and Ray's memory monitor kills look like lost workers.
+Attempts that make no progress end the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS (5) of them in a row,
+whatever `max_failures` allows: each such attempt starts where the last one did, so with `max_failures=-1` the run
+looped for good, and Ray's memory monitor kills look like lost workers. An attempt made progress if it reported a
+"step" past the furthest one reported before it, or, for a loop whose reports carry no "step", if it reported at
+all. So attempts that die before their first report (a worker killed for memory at its first step, a node that
+cannot start the backend) count, and so do attempts that resume, report again the step they resumed at (as the
+built-in loop does, resumed at its end), and fail there again: a final model that could not be written restarted
+the run without end.
 
 An exception class says it is such an error with the class attribute `retry_repeats_it = True`; the library's own
 (CheckpointMismatchError, RestoreTargetError, NonFiniteLossError, NoLossTokensError, TextDataError, the data
@@ -78,9 +82,12 @@ def marking_repeated_errors(train_func):
     return run
 
 
-# Reports the controller has received. Ray hands the policy and the callbacks to the controller actor as separate
-# arguments, so they share this (one controller per process), not a reference.
+# Reports the controller has received, those of them with a "step", and the furthest step they gave. Ray hands the
+# policy and the callbacks to the controller actor as separate arguments, so they share these (one controller per
+# process), not a reference.
 _reports_seen = 0
+_reports_with_step = 0
+_furthest_step = float("-inf")
 
 RETRIES_WITHOUT_PROGRESS = "RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS"
 
@@ -123,8 +130,16 @@ class CountsReports(ReportCallback):
     """Counts reports in the controller: an attempt that reported made progress."""
 
     def after_report(self, training_report, metrics) -> None:
-        global _reports_seen
+        global _reports_seen, _reports_with_step, _furthest_step
         _reports_seen += 1
+        steps = [m["step"] for m in metrics or () if isinstance(m, dict) and _is_number(m.get("step"))]
+        if steps:
+            _reports_with_step += 1
+            _furthest_step = max(_furthest_step, *steps)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN is no step
 
 
 class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
@@ -134,13 +149,25 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
     def __init__(self, failure_config, without_progress: int = 5):
         super().__init__(failure_config)
         self._without_progress = without_progress
-        self._reports_at_last_failure = _reports_seen
         self._attempts_without_progress = 0
+        self._mark_reports()
 
     def __setstate__(self, state):
         # Unpickled in the controller: counting starts from this process's reports so far.
         self.__dict__.update(state)
+        self._mark_reports()
+
+    def _mark_reports(self) -> None:
         self._reports_at_last_failure = _reports_seen
+        self._stepped_at_last_failure = _reports_with_step
+        self._furthest_at_last_failure = _furthest_step
+
+    def _progressed(self) -> bool:
+        """Whether the attempt that failed got further than the ones before it (see the module's docstring)."""
+        reports = _reports_seen - self._reports_at_last_failure
+        if reports and _reports_with_step - self._stepped_at_last_failure == reports:
+            return _furthest_step > self._furthest_at_last_failure
+        return reports > 0
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if isinstance(training_failed_error, WorkerGroupError) and repeats_on_retry(training_failed_error):
@@ -148,14 +175,15 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
                            "retries are for lost workers and storage); the run ends with it.")
             return FailureDecision.RAISE
         if isinstance(training_failed_error, WorkerGroupError) and not _is_preemption_failure(training_failed_error):
-            progressed = _reports_seen != self._reports_at_last_failure
-            self._reports_at_last_failure = _reports_seen
+            progressed = self._progressed()
+            self._mark_reports()
             self._attempts_without_progress = 0 if progressed else self._attempts_without_progress + 1
             if self._without_progress and self._attempts_without_progress >= self._without_progress:
                 n = self._attempts_without_progress
                 why = (f"{NOT_RETRIED}{n} attempt{'s' if n != 1 else ''} in a row failed before their "
-                       "first report, each starting where the last did (a worker killed for memory at its first "
-                       "step, say: a smaller batch or model, or more memory per worker, is the fix). "
+                       "first report or before reporting a step past the furthest one reported, each starting "
+                       "where the last did (a worker killed for memory at its first step, say: a smaller batch or "
+                       "model, or more memory per worker, is the fix; the error above says what else). "
                        f"{RETRIES_WITHOUT_PROGRESS}=0 where fit() is called (the CLI's environment) lets "
                        "max_failures retry them.")
                 logger.warning(why)

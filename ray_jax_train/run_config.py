@@ -1173,7 +1173,8 @@ def corpus_texts(config: ExperimentConfig, limit: Optional[int] = None) -> List[
     return texts
 
 
-# What the train state's shapes depend on: a resume with any of these changed cannot restore the checkpoint.
+# What the train state's shapes depend on: a resume with any of these (or the params' dtype) changed cannot restore
+# the checkpoint.
 _STATE_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")
 
@@ -1203,6 +1204,8 @@ def check_resumed_model(run_dir: str, model_config: LlamaConfig) -> Optional[str
     now = model_config.to_hf_dict()
     changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in _STATE_SHAPE_KEYS
                if k in saved and saved.get(k) != now.get(k)]
+    if "dtype" in saved and saved["dtype"] != now.get("dtype"):  # the params' dtype: the restore refused it, later
+        changed.append(f"param_dtype {saved['dtype']!r} -> {now.get('dtype')!r}")
     if changed:
         raise ConfigError(
             f"model: this run resumes from {checkpoint}, whose model differs from the one the config builds now "

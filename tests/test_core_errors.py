@@ -738,6 +738,15 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
         retries._reports_seen += reported
         decisions.append(policy.make_decision(failed(lost)))
     assert decisions == [FailureDecision.RETRY] * 6 + [FailureDecision.RAISE]
+    # Reports with a step: only a step past the furthest reported is progress (a resumed attempt reports the step
+    # it resumed at again), whichever worker gives it.
+    policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1), without_progress=2)
+    decisions = []
+    for steps in ([4], [4], [5], [], [2, 5]):
+        for step in steps:
+            retries.CountsReports().after_report(None, [{"step": step, "loss": 1.0}, {}])
+        decisions.append(policy.make_decision(failed(lost)))
+    assert decisions == [FailureDecision.RETRY] * 4 + [FailureDecision.RAISE], decisions
     # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
     assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))
     assert not repeats_on_retry(ConnectionError(errno.ECONNRESET, "reset")) and not repeats_on_retry(OSError(errno.EIO, "io"))
@@ -775,9 +784,11 @@ def test_a_call_the_library_refuses_ends_the_run_at_its_first_attempt_though_it_
 
 def test_attempts_that_die_before_their_first_report_end_the_run(ray_cluster, tmp_path, monkeypatch):
     """A worker killed for memory at its first step looks like a lost worker to Ray, and with max_failures=-1 the
-    group restarted forever, each attempt from the same place. Attempts that reported (progress) do not count:
-    here attempt 1 reports and dies, attempt 2 dies at once; with a limit of 1 the run ends at attempt 2, not 1 (the
-    policy and the report counter reach the controller as separate arguments: this checks they still meet)."""
+    group restarted forever, each attempt from the same place. So did attempts that resumed, reported again the step
+    they resumed at, and failed there (a final model that could not be written; a review). Attempts that reported a
+    step past the furthest before (progress) do not count: here attempt 1 reports step 1 and dies, attempt 2
+    reports step 1 again and dies, attempt 3 dies at once; with a limit of 2 the run ends at attempt 3, not 2 or 4
+    (the policy and the report counter reach the controller as separate arguments: this checks they still meet)."""
     from ray.train import FailureConfig, RunConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
 
@@ -794,18 +805,19 @@ def test_attempts_that_die_before_their_first_report_end_the_run(ray_cluster, tm
 
         n = len(os.listdir(attempts)) + 1
         open(attempts / str(n), "w").close()
-        if n == 1:
-            ray.train.report({"attempt": n})
+        if n <= 2:
+            ray.train.report({"step": 1, "attempt": n})
             time.sleep(1)  # the controller collects reports at its next poll of the worker (0.1 s)
         os._exit(1)  # as the kernel's OOM killer would
 
-    monkeypatch.setenv(RETRIES_WITHOUT_PROGRESS, "1")
+    monkeypatch.setenv(RETRIES_WITHOUT_PROGRESS, "2")
     with pytest.raises(WorkerGroupError) as failed:
         rjt.JaxTrainer(loop, scaling_config=ScalingConfig(num_workers=1),
                        run_config=RunConfig(name="no-progress", storage_path=str(tmp_path / "runs"),
                                             failure_config=FailureConfig(max_failures=-1))).fit()
-    assert len(os.listdir(attempts)) == 2, os.listdir(attempts)
-    assert "errors:\nStopped retrying: 1 attempt in a row failed before their first report" in str(failed.value)
+    assert len(os.listdir(attempts)) == 3, os.listdir(attempts)
+    assert "errors:\nStopped retrying: 2 attempts in a row failed before their first report or before reporting a " \
+           "step past the furthest one reported" in str(failed.value)
     assert why_not_retried(failed.value).endswith("lets max_failures retry them.")
     assert "A worker health check failed" in str(failed.value)  # Ray's own account follows
 

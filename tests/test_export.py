@@ -226,6 +226,9 @@ def test_a_resume_with_another_model_is_refused_on_the_driver(run, tmp_path, cap
     assert check_resumed_model(str(tmp_path / "new-run"), same.replace(hidden_size=64)) is None  # a new run
     with pytest.raises(ConfigError, match=r"hidden_size 32 -> 64; intermediate_size 64 -> 96.*--set run.name"):
         check_resumed_model(run_dir, same.replace(hidden_size=64, intermediate_size=96))
+    # The params' dtype too: the workers' restore refused it ~100 s in (a review), on the driver now.
+    with pytest.raises(ConfigError, match=r"\(param_dtype 'float32' -> 'bfloat16'\)"):
+        check_resumed_model(run_dir, same.replace(param_dtype="bfloat16"))
 
 
 def test_a_cli_resume_with_another_model_is_refused_before_ray_starts(run, capsys, monkeypatch):
