@@ -6,8 +6,8 @@ with `max_failures=-1`.
 Attempts that make no progress end the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS (5) of them in a row,
 whatever `max_failures` allows: each such attempt starts where the last one did, so with `max_failures=-1` the run
 looped for good, and Ray's memory monitor kills look like lost workers. An attempt made progress if it reported a
-"step" past the furthest one reported before it, or, for a loop whose reports carry no "step", if it reported at
-all. So attempts that die before their first report (a worker killed for memory at its first step, a node that
+checkpoint or a "step" past the furthest one reported before it, or, for a loop whose reports carry no "step", if
+it reported at all (a "step" counted from 0 each epoch still progresses through its checkpoints). So attempts that die before their first report (a worker killed for memory at its first step, a node that
 cannot start the backend) count, and so do attempts that resume, report again the step they resumed at (as the
 built-in loop does, resumed at its end), and fail there again: a final model that could not be written restarted
 the run without end.
@@ -88,6 +88,7 @@ def marking_repeated_errors(train_func):
 _reports_seen = 0
 _reports_with_step = 0
 _furthest_step = float("-inf")
+_checkpoints_seen = 0
 
 RETRIES_WITHOUT_PROGRESS = "RAY_JAX_TRAIN_RETRIES_WITHOUT_PROGRESS"
 
@@ -130,8 +131,10 @@ class CountsReports(ReportCallback):
     """Counts reports in the controller: an attempt that reported made progress."""
 
     def after_report(self, training_report, metrics) -> None:
-        global _reports_seen, _reports_with_step, _furthest_step
+        global _reports_seen, _reports_with_step, _furthest_step, _checkpoints_seen
         _reports_seen += 1
+        if getattr(training_report, "checkpoint", None) is not None:
+            _checkpoints_seen += 1
         steps = [m["step"] for m in metrics or () if isinstance(m, dict) and _is_number(m.get("step"))]
         if steps:
             _reports_with_step += 1
@@ -161,10 +164,13 @@ class RetriesSkipRepeatedErrors(DefaultFailurePolicy):
         self._reports_at_last_failure = _reports_seen
         self._stepped_at_last_failure = _reports_with_step
         self._furthest_at_last_failure = _furthest_step
+        self._checkpoints_at_last_failure = _checkpoints_seen
 
     def _progressed(self) -> bool:
         """Whether the attempt that failed got further than the ones before it (see the module's docstring)."""
         reports = _reports_seen - self._reports_at_last_failure
+        if _checkpoints_seen != self._checkpoints_at_last_failure:
+            return True
         if reports and _reports_with_step - self._stepped_at_last_failure == reports:
             return _furthest_step > self._furthest_at_last_failure
         return reports > 0

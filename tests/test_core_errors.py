@@ -739,14 +739,17 @@ def test_retries_skip_errors_that_every_attempt_would_repeat():
         decisions.append(policy.make_decision(failed(lost)))
     assert decisions == [FailureDecision.RETRY] * 6 + [FailureDecision.RAISE]
     # Reports with a step: only a step past the furthest reported is progress (a resumed attempt reports the step
-    # it resumed at again), whichever worker gives it.
+    # it resumed at again), whichever worker gives it, or a checkpoint (a step counted from 0 each epoch).
+    from types import SimpleNamespace
+
     policy = RetriesSkipRepeatedErrors(FailureConfig(max_failures=-1), without_progress=2)
     decisions = []
-    for steps in ([4], [4], [5], [], [2, 5]):
+    for steps in ([4], [4], [5], [], [1, "saved"], [2], [2, 5]):
         for step in steps:
-            retries.CountsReports().after_report(None, [{"step": step, "loss": 1.0}, {}])
+            saved = SimpleNamespace(checkpoint=object() if step == "saved" else None)
+            retries.CountsReports().after_report(saved, [{"step": 3 if step == "saved" else step, "loss": 1.0}, {}])
         decisions.append(policy.make_decision(failed(lost)))
-    assert decisions == [FailureDecision.RETRY] * 4 + [FailureDecision.RAISE], decisions
+    assert decisions == [FailureDecision.RETRY] * 6 + [FailureDecision.RAISE], decisions
     # The driver sees the run's error, the workers' inside it (the CLI's resume line says to fix the cause first).
     assert repeats_on_retry(failed(lost, rjt.NonFiniteLossError("nan"))) and not repeats_on_retry(failed(lost))
     assert not repeats_on_retry(ConnectionError(errno.ECONNRESET, "reset")) and not repeats_on_retry(OSError(errno.EIO, "io"))
