@@ -7,8 +7,9 @@ Attempts that make no progress end the run after RAY_JAX_TRAIN_RETRIES_WITHOUT_P
 whatever `max_failures` allows: each such attempt starts where the last one did, so with `max_failures=-1` the run
 looped for good, and Ray's memory monitor kills look like lost workers. An attempt made progress if it reported a
 checkpoint or a "step" past the furthest one reported before it, or, for a loop whose reports carry no "step", if
-it reported at all (a "step" counted from 0 each epoch still progresses through its checkpoints). So attempts that die before their first report (a worker killed for memory at its first step, a node that
-cannot start the backend) count, and so do attempts that resume, report again the step they resumed at (as the
+it reported at all (a "step" counted from 0 each epoch still progresses through its checkpoints). So attempts
+that die before their first report (a worker killed for memory at its first step, a node that cannot start the
+backend) count, and so do attempts that resume, report again the step they resumed at (as the
 built-in loop does, resumed at its end), and fail there again: a final model that could not be written restarted
 the run without end.
 
@@ -82,7 +83,8 @@ def marking_repeated_errors(train_func):
     return run
 
 
-# Reports the controller has received, those of them with a "step", and the furthest step they gave. Ray hands the
+# Reports the controller has received, those of them with a "step", the furthest step they gave, and those with a
+# checkpoint. Ray hands the
 # policy and the callbacks to the controller actor as separate arguments, so they share these (one controller per
 # process), not a reference.
 _reports_seen = 0
@@ -128,7 +130,7 @@ def why_not_retried(exc: BaseException) -> str:
 
 
 class CountsReports(ReportCallback):
-    """Counts reports in the controller: an attempt that reported made progress."""
+    """Counts reports, their steps and checkpoints in the controller: what tells an attempt's progress."""
 
     def after_report(self, training_report, metrics) -> None:
         global _reports_seen, _reports_with_step, _furthest_step, _checkpoints_seen
