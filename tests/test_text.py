@@ -712,6 +712,39 @@ def test_a_half_made_huggingface_hub_module_does_not_fail_the_stream_read():
     assert done.returncode == 0 and done.stdout.strip() == "x", done.stderr[-2000:]
 
 
+_STREAM_READ_BROKEN_MIDWAY = """
+import logging, os
+import datasets
+import pytest
+from ray import cloudpickle
+from ray_jax_train.text.hf_stream import _read_shard, _shard_batches_in_fresh_interpreter
+
+logging.basicConfig()
+parent = os.getpid()
+
+def breaks_in_this_process(row):
+    if os.getpid() == parent and row["text"] == "t3":
+        raise ImportError("cannot import name 'HfFileSystem' from 'huggingface_hub' (planted)")
+    return row
+
+stream = datasets.Dataset.from_list([{"text": f"t{i}"} for i in range(5)]).to_iterable_dataset()
+payload = cloudpickle.dumps(stream.map(breaks_in_this_process))
+print([text for batch in _read_shard(payload, 1, 0, 2) for text in batch.column("text").to_pylist()])
+with pytest.raises(RuntimeError, match="in a fresh interpreter failed"):
+    list(_shard_batches_in_fresh_interpreter(b"not a pickle", 1, 0, 2))
+"""
+
+
+def test_a_stream_read_that_an_import_breaks_is_finished_in_a_fresh_interpreter():
+    """A CI run's stream read failed on 'cannot import name HfFileSystem' past the in-process retry: the rest of
+    the shard is read by a child Python, the batches already given not given twice."""
+    done = subprocess.run([sys.executable, "-c", _STREAM_READ_BROKEN_MIDWAY], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str([f"t{i}" for i in range(5)])
+    assert "reading it again in a fresh interpreter, after the 1 batches already read" in done.stderr
+
+
 _CUT_IMPORT = """
 import _thread, importlib.abc, sys
 

@@ -7,11 +7,17 @@ with ``cannot import name 'HfFileSystem' from 'huggingface_hub'``: ``datasets``'
 tasks a ``take()`` no longer needs by a KeyboardInterrupt in the worker's main thread and reuses the worker, so an
 import it cut short can leave one (a second thread inside the same import does too). Here the dataset travels as
 bytes and is unpickled inside the read task, after ``datasets`` was imported under a lock, retried once over a
-clean slate if a half-made module stood in the way.
+clean slate if a half-made module stood in the way. Where the worker's modules are broken past that (a CI run
+still saw the error once), the shard is read again in a fresh interpreter, whose imports nothing has cut.
 """
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Iterator
@@ -21,6 +27,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from ray_jax_train._imports import uninterrupted_imports
 
+logger = logging.getLogger(__name__)
 _IMPORT_LOCK = threading.Lock()
 _HALF_IMPORTED = ("datasets", "huggingface_hub")  # the packages whose half-made modules break the import
 
@@ -50,9 +57,7 @@ def import_datasets():
     raise AssertionError("unreachable")
 
 
-def _read_shard(payload: bytes, num_shards: int, index: int, batch_size: int) -> Iterator:
-    import pickle
-
+def _shard_batches(payload: bytes, num_shards: int, index: int, batch_size: int) -> Iterator:
     import pyarrow as pa
 
     import_datasets()
@@ -65,6 +70,64 @@ def _read_shard(payload: bytes, num_shards: int, index: int, batch_size: int) ->
         if not isinstance(batch, pa.Table):
             batch = pa.Table.from_pandas(batch, preserve_index=False)
         yield batch
+
+
+def _shard_batches_in_fresh_interpreter(payload: bytes, num_shards: int, index: int, batch_size: int) -> Iterator:
+    """The same batches, read by a child Python: its imports start clean whatever this worker's state."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the worker's runtime_env paths
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: a chatty child cannot block on a full pipe
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(num_shards), str(index), str(batch_size)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, env=env)
+        try:
+            try:
+                child.stdin.write(payload)  # the child reads all of it before it writes anything
+                child.stdin.close()
+            except BrokenPipeError:
+                pass  # it died first: its exit status and stderr say why, below
+            while True:
+                try:
+                    yield pickle.load(child.stdout)
+                except EOFError:
+                    break
+        finally:
+            child.stdout.close()
+            if child.wait() != 0 and sys.exc_info()[0] is None:
+                errors.seek(0)
+                raise RuntimeError(f"reading shard {index} of a Hugging Face stream in a fresh interpreter failed "
+                                   f"(exit {child.returncode}):\n{errors.read().decode(errors='replace')[-4000:]}")
+
+
+def _read_shard(payload: bytes, num_shards: int, index: int, batch_size: int) -> Iterator:
+    done = 0
+    try:
+        for batch in _shard_batches(payload, num_shards, index, batch_size):
+            yield batch
+            done += 1
+        return
+    except ImportError as error:
+        logger.warning("Reading shard %d of a Hugging Face stream failed on an import in this reused Ray worker "
+                       "(%s); reading it again in a fresh interpreter, after the %d batches already read.",
+                       index, error, done)
+    # A shard's batches come in the same order every read (a shuffled stream carries its seeded generator), so
+    # the ones already yielded are skipped, not read twice.
+    for number, batch in enumerate(_shard_batches_in_fresh_interpreter(payload, num_shards, index, batch_size)):
+        if number >= done:
+            yield batch
+
+
+# The batches get the child's stdout to themselves: anything else printing (huggingface_hub prints its failed lazy
+# imports) goes to stderr, before any import could print.
+_CHILD = ("import os, sys; out = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1); sys.stdout = sys.stderr\n"
+          "from ray_jax_train.text.hf_stream import _serve_shard; _serve_shard(out, sys.argv[1:])")
+
+
+def _serve_shard(out, argv) -> None:
+    """The child's side: the pickled dataset on stdin, one pickled Arrow table per batch on ``out``."""
+    num_shards, index, batch_size = (int(arg) for arg in argv)
+    payload = sys.stdin.buffer.read()
+    for batch in _shard_batches(payload, num_shards, index, batch_size):
+        pickle.dump(batch, out, protocol=5)
+    out.flush()
 
 
 class HFStreamDatasource(Datasource):
