@@ -614,6 +614,15 @@ def test_a_bad_row_met_while_tokenising_files_names_its_file_and_line(ray_cluste
                                             r"cannot be read as a document: .*b\.jsonl, line 32: 'text' holds an int"):
         prepare_lm_datasets([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], None, tokenizer, args,
                             materialize=True)
+    # A role the chat template does not know is only found with the tokenizer: the search is told which one (it
+    # named no file, where a missing role did; a review).
+    chats = [json.dumps({"messages": CHAT}) for _ in range(30)]
+    chats[24] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "yo"}]})
+    (tmp_path / "c.jsonl").write_text("\n".join(chats) + "\n")
+    with pytest.raises(TextDataError, match=r"role 'gpt', which the chat template does not know.* The first row that "
+                                            r"cannot be read as a document: .*c\.jsonl, line 25: message 1 of "
+                                            r"'messages' has role 'gpt'"):
+        prepare_lm_datasets([str(tmp_path / "c.jsonl")], None, tokenizer, args, materialize=True)
 
 
 def test_pipeline_errors(ray_cluster, tokenizer, tmp_path):

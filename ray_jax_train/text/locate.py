@@ -7,6 +7,7 @@ away), within a time budget: a search that finds nothing leaves the error as it 
 """
 from __future__ import annotations
 
+import ast
 import io
 import json
 import re
@@ -19,6 +20,9 @@ _DATA_ERROR = re.compile(r"decod|json|\bpars(e|ing)\b|arrowinvalid|unmatched|utf
                          r"|conversation", re.IGNORECASE)
 
 
+# check_roles' words (encode.py): the role is a Python repr there.
+_UNKNOWN_ROLE = re.compile(r"has role ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"), which the chat template does not know")
+
 BAD_ROW_FOUND = "The first row that cannot be read as a document"
 
 
@@ -28,10 +32,11 @@ def looks_like_a_bad_row(message: str) -> bool:
 
 
 def find_bad_row(paths: Sequence[str], *, text_column: str = "text", messages_column: str = "messages",
-                 budget_s: float = 30.0) -> Optional[str]:
+                 unknown_role: Optional[str] = None, budget_s: float = 30.0) -> Optional[str]:
     """'<file>, line N: <what is wrong>' for the first row of the local files under `paths` that cannot be read as
     training text, or None (nothing found, URIs, or the budget ran out). JSON lines and text are read line by line
-    (compressed ones too); a .json array whole; Parquet by its schema only; CSV not at all."""
+    (compressed ones too); a .json array whole; Parquet by its schema only; CSV not at all. `unknown_role`: a role
+    the chat template was found not to know (only the tokenizer can tell), a bad row's mark too."""
     from .sources import _format_of, local_files
 
     files = local_files(paths)
@@ -42,7 +47,7 @@ def find_bad_row(paths: Sequence[str], *, text_column: str = "text", messages_co
         if time.monotonic() > deadline:
             return None
         try:
-            found = _check_file(file, _format_of(file), text_column, messages_column, deadline)
+            found = _check_file(file, _format_of(file), text_column, messages_column, unknown_role, deadline)
         except OSError:
             continue  # unreadable now: the read's own error says so
         if found:
@@ -51,7 +56,7 @@ def find_bad_row(paths: Sequence[str], *, text_column: str = "text", messages_co
 
 
 def _check_file(file: str, format: Optional[str], text_column: str, messages_column: str,
-                deadline: float) -> Optional[str]:
+                unknown_role: Optional[str], deadline: float) -> Optional[str]:
     if format == "parquet":
         return _check_parquet_schema(file, text_column, messages_column)
     if format == "text":
@@ -64,7 +69,7 @@ def _check_file(file: str, format: Optional[str], text_column: str, messages_col
     if format != "json":
         return None
     if ".jsonl" not in file.split("?", 1)[0].lower().rsplit("/", 1)[-1]:
-        whole = _check_json_array(file, text_column, messages_column)
+        whole = _check_json_array(file, text_column, messages_column, unknown_role)
         if whole is not False:
             return whole
     for number, raw in _lines(file, deadline):
@@ -76,7 +81,7 @@ def _check_file(file: str, format: Optional[str], text_column: str, messages_col
             return f"line {number}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line)"
         except ValueError as exc:
             return f"line {number}: not a JSON object ({getattr(exc, 'msg', exc)}: column {getattr(exc, 'colno', '?')})"
-        problem = row_problem(row, text_column, messages_column)
+        problem = row_problem(row, text_column, messages_column, unknown_role)
         if problem:
             return f"line {number}: {problem}"
     return None
@@ -92,7 +97,7 @@ def _lines(file: str, deadline: float) -> Iterator[tuple[int, bytes]]:
             yield number, raw
 
 
-def _check_json_array(file: str, text_column: str, messages_column: str):
+def _check_json_array(file: str, text_column: str, messages_column: str, unknown_role: Optional[str]):
     """The problem of a .json that holds one array, None if it is fine, False if it is not an array (then read as
     JSON lines)."""
     import pyarrow as pa
@@ -106,13 +111,13 @@ def _check_json_array(file: str, text_column: str, messages_column: str):
     except ValueError as exc:
         return f"line {getattr(exc, 'lineno', '?')}: not valid JSON ({getattr(exc, 'msg', exc)})"
     for index, row in enumerate(rows):
-        problem = row_problem(row, text_column, messages_column)
+        problem = row_problem(row, text_column, messages_column, unknown_role)
         if problem:
             return f"item {index} of its array: {problem}"
     return None
 
 
-def row_problem(row: Any, text_column: str, messages_column: str) -> Optional[str]:
+def row_problem(row: Any, text_column: str, messages_column: str, unknown_role: Optional[str] = None) -> Optional[str]:
     """What keeps one parsed row from being a document, in the pipeline's terms: a messages value wins when it holds
     turns, else the text value is read (null counts as empty)."""
     if not isinstance(row, dict):
@@ -124,6 +129,9 @@ def row_problem(row: Any, text_column: str, messages_column: str) -> Optional[st
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 return f"message {i} of {messages_column!r} has no string 'role' ({json.dumps(message)[:80]})"
+            if message["role"] == unknown_role:
+                return (f"message {i} of {messages_column!r} has role {unknown_role!r}, which the chat template "
+                        "does not know")
             content = message.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 kind = type(content).__name__
@@ -158,7 +166,9 @@ def where_the_bad_row_is(exc_text: str, paths: Iterable[str] | None, *, text_col
     paths = list(paths or [])
     if not paths or not looks_like_a_bad_row(exc_text):
         return ""
-    found = find_bad_row(paths, text_column=text_column, messages_column=messages_column)
+    role = _UNKNOWN_ROLE.search(exc_text)
+    found = find_bad_row(paths, text_column=text_column, messages_column=messages_column,
+                         unknown_role=role and ast.literal_eval(role.group(1)))
     if not found:
         return ""
     return f"{'' if exc_text.rstrip().endswith('.') else '.'} {BAD_ROW_FOUND}: {found}."
