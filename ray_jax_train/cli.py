@@ -319,9 +319,18 @@ def _check_the_resume_before_ray(config) -> None:
     from ray_jax_train.run_config import TOKENIZER_DIR, check_resumed_model, ensure_tokenizer
     from ray_jax_train.storage import is_uri, join
 
-    if not config.run.name or not config.training.get("resume_if_possible", True):
-        return  # a new run (its name is made now), or one refused above for starting over
+    if not config.run.name:
+        return  # a new run: its name is made now
     run_dir = join(config.with_absolute_paths().run.storage_path, config.run.name)
+    from ray_jax_train.lm.export import final_model_blocked
+
+    blocked = final_model_blocked(run_dir) if config.training.get("save_final_model", True) else None
+    if blocked:
+        from ray_jax_train.run_config import ConfigError
+
+        raise ConfigError(f"run.name: {blocked}")
+    if not config.training.get("resume_if_possible", True):
+        return  # refused above for starting over
     saved = os.path.isfile(os.path.join(run_dir, TOKENIZER_DIR, "tokenizer.json"))
     if is_uri(run_dir) or not (saved or config.tokenizer.path) or not glob.glob(os.path.join(run_dir, "checkpoint_*")):
         return

@@ -1170,6 +1170,15 @@ def test_a_run_stopped_before_ray_registered_a_checkpoint_resumes_from_its_finis
     assert code == 2 and "would start run 'run' over" in err and "checkpoint_000000020_0a1b2c3d" in err, err
     assert "another run.name, or move" in err, err
     assert not (run_dir / "tokenizer").exists()
+    # A file where final_model/ goes failed the run as training ended, with a bare FileExistsError, and it
+    # restarted (a review). Refused before Ray starts; with the final model off, nothing is in the way.
+    (run_dir / "final_model").write_text("notes")
+    code, _, err = run(["fit", TINY, "--set", f"run.storage_path={tmp_path}", "--set", "run.name=run"], capsys)
+    assert code == 2 and f"run.name: {run_dir / 'final_model'} is a file, where this run writes" in err, err
+    assert "training.save_final_model=false" in err, err
+    from ray_jax_train.lm.export import final_model_blocked
+
+    assert final_model_blocked(str(tmp_path)) is None and final_model_blocked(str(run_dir))
 
 
 def test_the_summary_gives_the_median_speed_of_the_log_steps(tmp_path, capsys):

@@ -271,6 +271,11 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
         RayDistributedTrainer(tokenizer_dir, model_type="qwen2", config_scaling_variables=SCALING,
                               config_variables={**FIXED, "attention_bias": False}).train(
             1, args.model_copy(update={"save_final_model": True}), sentences(10))
+    (tmp_path / "named" / "final_model").parent.mkdir()
+    (tmp_path / "named" / "final_model").write_text("notes")  # failed the run as training ended (a review)
+    with pytest.raises(ValueError, match="named/final_model is a file, where this run writes its final_model/"):
+        trainer.train(1, args.model_copy(update={"save_final_model": True, "run_name": "named",
+                                                 "output_dir": str(tmp_path)}), sentences(10))
     with pytest.raises(ValueError, match="step=5 but no opt_state"):
         _, params = split_model(trainer.create_model(scaling_index=1))
         trainer.train(1, args, sentences(10), state={"params": params, "step": 5})

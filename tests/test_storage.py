@@ -99,6 +99,30 @@ def test_final_model_and_tokenizer_reach_an_object_store(ray_cluster, tmp_path):
     assert again("three four")["input_ids"] == tokenizer("three four")["input_ids"]
 
 
+def test_a_file_where_the_run_writes_a_directory_is_refused_before_training(tmp_path):
+    """A file at final_model/ failed the run only as training ended (a bare FileExistsError, after every step) and
+    restarted it (a review); the loop's first lines refuse it now, on an object store too, and the refusal is not
+    retried (a UsageError)."""
+    from ray_jax_train.errors import UsageError
+    from ray_jax_train.lm.arguments import TrainingArguments
+
+    fs = object_store(tmp_path / "bucket")
+    (tmp_path / "bucket" / "run").mkdir()
+    outputs = RunOutputs(fs, "/run")
+    args = TrainingArguments(total_steps=1, save_steps=5)
+    outputs.refuse_blocked_outputs(args)  # nothing there yet
+    (tmp_path / "bucket" / "run" / "final_model").write_text("notes")
+    with pytest.raises(UsageError, match=r"/run/final_model is a file, where this run writes its final_model/ "
+                                         r"directory when training ends.*save_final_model=False"):
+        outputs.refuse_blocked_outputs(args)
+    outputs.refuse_blocked_outputs(args.model_copy(update={"save_final_model": False}))
+    (tmp_path / "bucket" / "run" / "model").write_text("notes")
+    with pytest.raises(UsageError, match=r"/run/model is a file, where this run writes its model/ directory for its "
+                                         r"checkpoints' export"):
+        outputs.refuse_blocked_outputs(args.model_copy(update={"save_final_model": False}))
+    outputs.refuse_blocked_outputs(args.model_copy(update={"save_final_model": False, "save_steps": 0}))
+
+
 def jax_tree_equal(a, b) -> bool:
     import jax
     import numpy as np

@@ -13,6 +13,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ray_jax_train.config import SUPPORTED_MODEL_TYPES, LlamaConfig, ModelScaling, canonical_dtype
+from ray_jax_train.errors import UsageValueError
 from ray_jax_train.lm.arguments import TrainingArguments
 from ray_jax_train.lm.profiling import with_trace_flags
 from ray_jax_train.storage import absolute
@@ -328,6 +329,12 @@ class RayDistributedTrainer:
         if problem:
             raise ValueError(f"{problem}. The final model could not be exported as a Hugging Face directory; fix "
                              "the config or set TrainingArguments(save_final_model=False).")
+        if args.save_final_model and args.run_name and args.output_dir:
+            from ray_jax_train.lm.export import final_model_blocked
+
+            blocked = final_model_blocked(os.path.join(absolute(args.output_dir), args.run_name))
+            if blocked:
+                raise UsageValueError(blocked)
         if args.mesh is None:
             args = args.model_copy()
             args.mesh = dict(zip(self.scaling.mesh.axis_names, self.scaling.mesh.axis_dims))

@@ -25,6 +25,23 @@ _RUN_MARK = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def blocked_output(path: str, name: str, why: str) -> str:
+    """The refusal of a file standing where the run writes a directory (the CLI's driver says it too)."""
+    off = (", train without it (TrainingArguments(save_final_model=False); CLI: training.save_final_model=false)"
+           if name == "final_model" else "")
+    return (f"{path} is a file, where this run writes its {name}/ directory {why}. Move or remove the file{off}, or "
+            "give the run another name.")
+
+
+def final_model_blocked(run_dir: str) -> Union[str, None]:
+    """The driver's early form of the workers' check (RunOutputs.refuse_blocked_outputs), for a local run directory:
+    the refusal if a file stands where `final_model/` goes, else None."""
+    final = os.path.join(run_dir, "final_model")
+    if "://" in run_dir or not os.path.isfile(final):
+        return None
+    return blocked_output(final, "final_model", "when training ends")
+
+
 def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any = None, tokenizer: Any = None,
                       dtype: Any = None, overwrite: bool = False) -> str:
     """Write `source`'s params as an HF directory (config.json, safetensors, tokenizer) in `out_dir`; returns it.

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import numpy as np
 
 from ray_jax_train.errors import UsageValueError
-from ray_jax_train.lm.export import GENERATION_CONFIG, HF_CONFIG_KEY, MODEL_FILES
+from ray_jax_train.lm.export import GENERATION_CONFIG, HF_CONFIG_KEY, MODEL_FILES, blocked_output
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                               "let RayDistributedTrainer count it from num_epochs).")
     columns = list(config.get("columns") or DEFAULT_COLUMNS)
     rank0 = jax.process_index() == 0
+    outputs = RunOutputs.of_this_run()
+    outputs.refuse_blocked_outputs(args)
 
     mesh = _loop_mesh(args)
     check_llama_parallelism(model_config, mesh, batch_size=args.micro_batch_size)
@@ -180,7 +182,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                                          out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
     throughput = Throughput(flops_per_token(model_config, args.max_sequence_length), args.tokens_per_step,
                             jax.device_count(), peak_flops_per_device)
-    outputs = RunOutputs.of_this_run()
     if rank0 and args.save_steps:
         # After the restore: a resume with another model config fails there, and must not first overwrite the
         # config that the run's earlier checkpoints export with.
@@ -713,6 +714,19 @@ class RunOutputs:
 
         storage = ray.train.get_context().get_storage()
         return cls(storage.storage_filesystem, storage.experiment_fs_path)
+
+    def refuse_blocked_outputs(self, args) -> None:
+        """A file where the run writes a directory failed the run as training ended (`final_model/`), after all
+        its steps, with a bare FileExistsError; it is refused before the first step, naming the fix."""
+        import pyarrow.fs as pafs
+
+        wanted = {"final_model": "when training ends"} if args.save_final_model else {}
+        if args.save_steps:
+            wanted[MODEL_FILES] = "for its checkpoints' export"
+        for name, why in wanted.items():
+            path = f"{self.run_path}/{name}"
+            if self.filesystem.get_file_info(path).type == pafs.FileType.File:
+                raise UsageValueError(blocked_output(path, name, why))
 
     def metrics_file(self):
         from ray_jax_train.storage import AppendOnlyFile
