@@ -91,6 +91,8 @@ def _shard_batches_in_fresh_interpreter(payload: bytes, num_shards: int, index: 
                     break
         finally:
             child.stdout.close()
+            if sys.exc_info()[0] is not None:
+                child.kill()  # a cancel or a consumer done early: nothing waits for the rest
             if child.wait() != 0 and sys.exc_info()[0] is None:
                 errors.seek(0)
                 raise RuntimeError(f"reading shard {index} of a Hugging Face stream in a fresh interpreter failed "
