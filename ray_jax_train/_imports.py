@@ -128,6 +128,9 @@ def uninterrupted_imports(package_being_made: Optional[str] = None):
 
     ``package_being_made``: the package whose ``__init__`` holds the block; Python drops it after a failure.
     """
+    # An import cut earlier outside such a block (Ray Data's own fsspec import, say) left finished submodules
+    # without their package: the next import of that package binds them first, as after a cut inside one.
+    remake_with_finished_submodules(_dropped_parents(list(sys.modules), None))
     before = set(sys.modules)
     try:
         with _interrupts_held():

@@ -800,6 +800,36 @@ def test_an_import_a_cancel_cuts_leaves_the_worker_able_to_import_again(statemen
     assert done.returncode == 0 and done.stdout.strip() == "whole", done.stderr[-3000:]
 
 
+_CUT_OUTSIDE = """
+import importlib.abc, sys
+
+class CutAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "fsspec.config":
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt  # Ray's cancel, in an import of fsspec that is not ours
+        return None
+
+sys.meta_path.insert(0, CutAt())
+try:
+    import fsspec
+except KeyboardInterrupt:
+    pass
+assert "fsspec" not in sys.modules and "fsspec.utils" in sys.modules  # the half-made state a CI worker was in
+import ray_jax_train
+import fsspec
+assert fsspec.utils.compressions
+print("whole")
+"""
+
+
+def test_an_import_cut_outside_the_library_leaves_its_import_working():
+    """A CI run: every Ray Data task on one worker failed "partially initialized module 'fsspec' has no attribute
+    'utils'" as it imported this package, after some import of fsspec not ours was cut there."""
+    done = subprocess.run([sys.executable, "-c", _CUT_OUTSIDE], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "whole", done.stderr[-3000:]
+
+
 def test_files_are_read_on_the_driver_node_when_other_nodes_lack_them(ray_cluster, tmp_path, monkeypatch):
     """Files the driver found but another node lacks are read on the driver's node (Ray's local:// scheme); files
     every node sees (a shared filesystem) keep distributed reads. This machine holds one node, so the other node's
