@@ -849,3 +849,27 @@ def test_the_eval_set_is_read_once_and_kept_while_small():
     replicated = EvalBatches(lambda: ({"ids": jax.device_put(jnp.zeros((4, 8), jnp.int32), whole)} for _ in range(4)),
                              max_bytes=500)
     assert len(list(replicated())) == 4 and replicated._kept is None
+
+
+def test_workers_get_the_tokenizer_as_files_that_need_no_transformers(tmp_path):
+    """Unpickling the tokenizer object imported transformers in rank 0 of every run (about 4 s of a CPU); the
+    files its save_pretrained writes load back as the same tokenizer, and their object unpickles without it."""
+    import pickle
+    import subprocess
+    import sys
+
+    from ray_jax_train.lm.loop import TokenizerFiles
+    from ray_jax_train.text import load_tokenizer, train_tokenizer
+
+    tokenizer = train_tokenizer([f"doc {i}: the quick brown fox" for i in range(50)], vocab_size=300)
+    files = TokenizerFiles.of(tokenizer)
+    assert TokenizerFiles.of(files) is files and "tokenizer.json" in files.files
+    probe = ("import pickle, sys; files = pickle.loads(sys.stdin.buffer.read()); files.save_pretrained(sys.argv[1]); "
+             "assert 'transformers' not in sys.modules, 'transformers imported'")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], input=pickle.dumps(files),
+                          capture_output=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    again = load_tokenizer(str(tmp_path))
+    text = "<|user|>the quick doc 7<|eos|>"
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert again.chat_template == tokenizer.chat_template and len(again) == len(tokenizer)
