@@ -188,7 +188,7 @@ class JaxTrainer(DataParallelTrainer):
         self._controller = None
         with _sigint_handler_restored():
             try:
-                with _fast_report_polling(), _cleaner_finds_the_dashboard():
+                with _fast_report_polling(), _cleaner_finds_the_dashboard(), _no_watcher_where_nothing_drains():
                     result = super().fit()
             except KeyboardInterrupt:
                 if not self._interrupted:  # raised past Ray's SIGINT handler (a timer's handler, say): the run
@@ -617,6 +617,34 @@ def _dashboard_running() -> bool:
         return bool(get_webui_url_from_internal_kv())
     except Exception:
         return True
+
+
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def no_node_can_be_drained() -> bool:
+    """Whether this process started the Ray it runs on (a local `ray.init()`, the CLI's `--address local`) and
+    that Ray is one node: no autoscaler or cloud provider stands behind it, so no drain notice can come."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not getattr(node, "head", False):  # joined a cluster someone else started (or a worker)
+        return False
+    try:
+        return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    except Exception:  # noqa: BLE001 - unsure: keep Ray's default
+        return False
+
+
+@contextlib.contextmanager
+def _no_watcher_where_nothing_drains():
+    """Ray Train starts a preemption watcher actor per worker group, to pass on node drain notices: a process
+    that imports Ray Train (~1.5 s of a CPU at every start) and then polls the GCS. A cluster this process
+    started on its own machine is drained by nobody, so there the watcher is left out (Ray's own switch, which
+    it propagates to the controller); a value the user set is left alone."""
+    if not no_node_can_be_drained():
+        yield
+        return
+    with env_unless_set(PREEMPTION_WATCHER, "0"):
+        yield
 
 
 @contextlib.contextmanager

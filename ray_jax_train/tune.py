@@ -35,7 +35,7 @@ from ray_jax_train.run_config import (MOVED_TRAINING_KEYS, TOKENIZER_DIR, Config
 from ray_jax_train.quiet import every_worker_line, filter_worker_notices, quiet_data_context, quiet_worker
 from ray_jax_train.storage import absolute, etils_reaches, is_uri, jax_can_cache_in, join, local_dir_for, qualified, read_text
 from ray_jax_train.text.errors import read_error
-from ray_jax_train.trainer import env_unless_set
+from ray_jax_train.trainer import PREEMPTION_WATCHER, env_unless_set, no_node_can_be_drained
 
 __all__ = ["SearchInterrupted", "TuneOutcome", "can_resume", "restore_best", "run", "search_space"]
 
@@ -414,8 +414,12 @@ def _run(base: ExperimentConfig, *, quiet: bool, resume: bool, resume_errored: b
         finally:
             undo_quiet()
 
+    undrained = no_node_can_be_drained()  # asked here: a trial actor joined the cluster, it did not start it
+
     def trial(trial_space: Dict[str, Any], prepared=None) -> None:
         # Runs in a Tune trial actor: one Train run per trial, named after it, reporting to Tune.
+        if undrained:
+            os.environ.setdefault(PREEMPTION_WATCHER, "0")  # as the driver's own fit() would (trainer.py)
         if shared_cache:
             os.environ["JAX_COMPILATION_CACHE_DIR"] = shared_cache  # a trial actor has the cluster's environment
         os.environ[RETRIES_WITHOUT_PROGRESS] = without_progress  # the trial's fit() reads it, as the driver's would

@@ -112,6 +112,7 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     cleaners, managers = _placement_group_cleaners(), _actors_started("DatasetManager")
+    watchers = _actors_started("PreemptionWatcher")
     result = _fit(_collectives_and_batches, tmp_path, config={"out": str(out)},
                   jax_config=rjt.JaxConfig(num_cpu_devices=2, compilation_cache=False, cpu_affinity=True),
                   datasets={"train": ray.data.range(32)})
@@ -120,6 +121,10 @@ def test_two_cpu_workers_form_one_jax_job(ray_cluster, tmp_path):
     # This cluster has no dashboard, so Ray Train's placement-group cleaner could only fail its State API query
     # (and log a warning) every second: none is started.
     assert _placement_group_cleaners() == cleaners
+    # This process started this one-node Ray: no drain notice can come, so Train's preemption watcher (an actor
+    # per worker group) is not started either; a cluster from `ray start` keeps it (test_multinode.py).
+    assert _actors_started("PreemptionWatcher") == watchers
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ  # set for the run only
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for info in ranks:
         # Off, although the workers inherit this session's JAX_COMPILATION_CACHE_DIR (see conftest.py).

@@ -171,6 +171,9 @@ def test_job_submit_trains_across_two_nodes(ray_cluster, two_node_cluster, tmp_p
     # One training worker on each node.
     workers = list_actors(address=url, filters=[("class_name", "=", "RayTrainWorker")], detail=True)
     assert len({w.node_id for w in workers}) == 2, [(w.node_id, w.state) for w in workers]
+    # A cluster from `ray start` may have its nodes drained (an autoscaler, a cloud's preemption): Train's
+    # preemption watcher, which passes the notice on to the workers, ran beside them (a local Ray leaves it out).
+    assert list_actors(address=url, filters=[("class_name", "=", "PreemptionWatcher")]), "no preemption watcher"
 
     # A plain training script (no CLI), written for one machine, runs unchanged as a job: it joins the job's cluster
     # instead of asking for a local Ray of its own size, which Ray refuses once RAY_ADDRESS names a cluster.

@@ -172,6 +172,17 @@ def test_tokenizer_save_and_reload_offline(tokenizer, tmp_path, monkeypatch):
            (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     assert again.chat_template == DEFAULT_CHAT_TEMPLATE
     assert encode_chats(again, [CHAT])[1][0].tolist() == encode_chats(tokenizer, [CHAT])[1][0].tolist()
+    # load_tokenizer reads it as the same tokenizer without AutoTokenizer's class lookup, which imported
+    # transformers' model configurations and torch (2.4 s of a CPU in every process that loads one).
+    probe = (f"import sys, json; from ray_jax_train.text import load_tokenizer; t = load_tokenizer({str(tmp_path / 'tok')!r}); "
+             f"print(json.dumps([type(t).__name__, t({text!r})['input_ids'], t.chat_template, t.pad_token_id, "
+             "'torch' in sys.modules, 'transformers.models.auto.tokenization_auto' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, ids, template, pad, torch_imported, auto_imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (kind, ids, template, pad) == (type(again).__name__, again(text)["input_ids"], again.chat_template,
+                                          again.pad_token_id)
+    assert not torch_imported and not auto_imported
     # A file cut short (a copy stopped half way), or none at all: named, not transformers' bare JSONDecodeError.
     from ray_jax_train.text import load_tokenizer
 
