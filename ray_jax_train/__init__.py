@@ -1,27 +1,44 @@
 """ray_jax_train: JAX as a first-class citizen of Ray Train.
 
-The core (trainer, backend, mesh, data) is imported eagerly. The model, text and LM layers load on first use:
-every Ray worker imports this package to unpickle its JaxConfig, and it should not pay for flax or
-transformers before its loop asks for them.
+Every public name loads on first use: every Ray worker that unpickles a function or config of ours imports this
+package, and a Ray Data worker tokenising text should not pay 0.8 s of a CPU for ray.train, nor a training worker
+for flax or transformers before its loop asks for them.
 """
 import importlib
 
+from ray_jax_train._imports import guard_cut_imports
+from ray_jax_train._imports import in_ray_worker as _in_ray_worker
+from ray_jax_train._imports import mend_cut_imports as _mend_cut_imports
 from ray_jax_train._imports import uninterrupted_imports as _uninterrupted_imports
 
-# Ray cancels a task by an interrupt and reuses its worker: an import of ours cut there must not leave the
-# worker's fsspec (or any package) half-made for every later task (see _imports.py).
-with _uninterrupted_imports("ray_jax_train"):
-    from ray_jax_train.backend import JaxConfig, compilation_cache_hits, compilation_cache_misses
-    from ray_jax_train.data import (DataError, DataTypeError, DataValueError, IteratorsOutOfStepError,
-                                    NoFullBatchError, batch_sharding, iter_jax_batches)
-    from ray_jax_train.data_config import JaxDataConfig
-    from ray_jax_train.errors import UsageError, UsageTypeError, UsageValueError
-    from ray_jax_train.mesh import get_mesh, make_mesh
-    from ray_jax_train.trainer import JaxTrainer, init_ray
+# Ray cancels a task by an interrupt and reuses its worker: an import cut there must not leave the worker's
+# fsspec (or any package) half-made for every later task (see _imports.py).
+_mend_cut_imports()  # one cut before this process imported the package
+if _in_ray_worker():
+    guard_cut_imports()  # the cuts to come
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    # the core: trainer, backend, mesh, data
+    "JaxTrainer": "ray_jax_train.trainer",
+    "init_ray": "ray_jax_train.trainer",
+    "JaxConfig": "ray_jax_train.backend",
+    "compilation_cache_hits": "ray_jax_train.backend",
+    "compilation_cache_misses": "ray_jax_train.backend",
+    "JaxDataConfig": "ray_jax_train.data_config",
+    "get_mesh": "ray_jax_train.mesh",
+    "make_mesh": "ray_jax_train.mesh",
+    "iter_jax_batches": "ray_jax_train.data",
+    "batch_sharding": "ray_jax_train.data",
+    "DataError": "ray_jax_train.data",
+    "DataTypeError": "ray_jax_train.data",
+    "DataValueError": "ray_jax_train.data",
+    "IteratorsOutOfStepError": "ray_jax_train.data",
+    "NoFullBatchError": "ray_jax_train.data",
+    "UsageError": "ray_jax_train.errors",
+    "UsageTypeError": "ray_jax_train.errors",
+    "UsageValueError": "ray_jax_train.errors",
     # model configuration (EasyDeL-style scaling)
     "LlamaConfig": "ray_jax_train.config",
     "ModelScaling": "ray_jax_train.config",
@@ -76,10 +93,7 @@ _LAZY = {
     "extract_column_names": "ray_jax_train.text",
 }
 
-__all__ = ["JaxConfig", "JaxDataConfig", "JaxTrainer", "batch_sharding", "compilation_cache_hits", "compilation_cache_misses",
-           "get_mesh", "init_ray", "iter_jax_batches", "make_mesh", "NoFullBatchError", "DataError",
-           "DataTypeError", "DataValueError", "IteratorsOutOfStepError", "UsageError", "UsageTypeError",
-           "UsageValueError", *_LAZY]
+__all__ = ["guard_cut_imports", *_LAZY]
 
 
 # Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.

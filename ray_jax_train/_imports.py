@@ -12,10 +12,15 @@ handler, which records it, and it is raised when the block ends. An import that 
 its finished submodules bound to the package before its code runs, as they would have been had it not been
 cut (dropping them as well would run them again, and some cannot: ``datasets`` registers pyarrow extension
 types, which pyarrow refuses twice).
+A cut outside any such block (Ray Data's own lazy ``fsspec`` import in a read task, in a worker that never
+imports this package) is met by ``guard_cut_imports``: Ray runs it first in every worker of a Ray this package
+starts (``worker_setup_hook``), and the package runs it when a Ray worker imports it. Its SIGINT handler marks the
+imports the interrupt is cutting, so that their next import binds their finished submodules.
 Stdlib only (with _after_import, stdlib too): it runs before anything else of the package.
 """
 from __future__ import annotations
 
+import _frozen_importlib
 import contextlib
 import importlib.abc
 import signal
@@ -25,7 +30,7 @@ from typing import Iterable, Optional, Set
 
 from ray_jax_train._after_import import WrappedLoader
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: the SIGINT handler below may run while the main thread holds it
 
 
 class _BindingLoader(WrappedLoader):
@@ -95,6 +100,12 @@ def remake_with_finished_submodules(packages: Iterable[str]) -> None:
             sys.meta_path = [_finder, *sys.meta_path]
 
 
+def mend_cut_imports() -> None:
+    """An import cut earlier outside a guarded block (Ray Data's own fsspec import, say) left finished submodules
+    without their package: the next import of that package binds them first, as after a cut inside one."""
+    remake_with_finished_submodules(_dropped_parents(list(sys.modules), None))
+
+
 @contextlib.contextmanager
 def _interrupts_held():
     """A SIGINT (Ray's cancel, a Ctrl-C) arriving in the block is acted on when the block ends, not inside it."""
@@ -128,9 +139,7 @@ def uninterrupted_imports(package_being_made: Optional[str] = None):
 
     ``package_being_made``: the package whose ``__init__`` holds the block; Python drops it after a failure.
     """
-    # An import cut earlier outside such a block (Ray Data's own fsspec import, say) left finished submodules
-    # without their package: the next import of that package binds them first, as after a cut inside one.
-    remake_with_finished_submodules(_dropped_parents(list(sys.modules), None))
+    mend_cut_imports()
     before = set(sys.modules)
     try:
         with _interrupts_held():
@@ -139,3 +148,58 @@ def uninterrupted_imports(package_being_made: Optional[str] = None):
         made = [name for name in list(sys.modules) if name not in before]
         remake_with_finished_submodules(_dropped_parents(made, package_being_made))
         raise
+
+
+def worker_setup_hook():
+    """The worker_process_setup_hook of every Ray this package starts (and of the test suite's).
+
+    A function Ray pickles by value (it is made here, not importable by name), that guards a worker only where
+    this package is importable: a hook Ray loads by module path kills every worker that cannot import it (a task
+    under a runtime_env of another Python), and Ray starts another, which dies too, for ever.
+    """
+    def guard_cut_imports_where_installed():
+        try:
+            from ray_jax_train._imports import guard_cut_imports as guard
+        except ImportError:
+            return
+        guard()
+
+    return guard_cut_imports_where_installed
+
+_FIND_AND_LOAD = _frozen_importlib._find_and_load.__code__
+
+
+def guard_cut_imports() -> None:
+    """From now on a SIGINT (Ray's cancel) that cuts an import in this process, anyone's, leaves it importable again.
+
+    A CI worker's Ray Data read task failed "partially initialized module 'fsspec' has no attribute 'utils'" after
+    an earlier task's first import of fsspec there was cancelled, with no import of this package in between to
+    mend it. Only Python's default handler is wrapped: a handler of the user's own is theirs to keep.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt_marking_cut_imports)
+    except (ValueError, OSError):  # not the main interpreter
+        pass
+
+
+def _interrupt_marking_cut_imports(signum, frame):
+    """Python's KeyboardInterrupt, after marking the imports it cuts (each ``_find_and_load`` on the stack)."""
+    cut, at = [], frame
+    while at is not None:
+        if at.f_code is _FIND_AND_LOAD:
+            name = at.f_locals.get("name")
+            if isinstance(name, str):
+                cut.append(name)
+        at = at.f_back
+    remake_with_finished_submodules(cut)
+    signal.default_int_handler(signum, frame)
+
+
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (a task's or an actor's), without importing Ray."""
+    worker = sys.modules.get("ray._private.worker")
+    return worker is not None and getattr(getattr(worker, "global_worker", None), "mode", None) == getattr(
+        worker, "WORKER_MODE", 1)

@@ -125,7 +125,7 @@ def _connect(config, address: Optional[str], verbose: bool):
     import ray
 
     from ray_jax_train.quiet import QUIET_ENV
-    from ray_jax_train.trainer import TASK_EVENTS_IN_GCS, env_unless_set, with_named_dashboard
+    from ray_jax_train.trainer import TASK_EVENTS_IN_GCS, env_unless_set, with_import_guard, with_named_dashboard
 
     if ray.is_initialized():
         return ray
@@ -141,7 +141,7 @@ def _connect(config, address: Optional[str], verbose: bool):
         # Logical CPUs beyond the workers' leave room for Ray Data on a small machine.
         with env_unless_set(*TASK_EVENTS_IN_GCS):  # read by the GCS this starts
             ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
-                     **with_named_dashboard(dict(runtime_env={"env_vars": env}, **kwargs)))
+                     **with_import_guard(with_named_dashboard(dict(runtime_env={"env_vars": env}, **kwargs))))
     else:
         _check_address(address, "--address" if given else ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS")
                                                             else "run.address"))

@@ -728,7 +728,7 @@ def init_ray(*, num_cpus: Optional[int] = None, **kwargs) -> bool:
         return True
     _warn_if_ray_start_cluster_runs(kwargs.get("_temp_dir"))
     _start_where_it_lasts(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-                          **with_named_dashboard(kwargs))
+                          **with_import_guard(with_named_dashboard(kwargs)))
     _started_ray.add(ray.get_runtime_context().get_node_id())
     return False
 
@@ -791,6 +791,21 @@ def with_named_dashboard(init_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     env_vars = dict(runtime_env.get("env_vars") or {})
     env_vars.setdefault("RAY_API_SERVER_ADDRESS", f"http://{host}:{kwargs['dashboard_port']}")
     runtime_env["env_vars"] = env_vars
+    kwargs["runtime_env"] = runtime_env
+    return kwargs
+
+
+def with_import_guard(init_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """`ray.init` keyword arguments whose workers each run `guard_cut_imports` first (a worker_process_setup_hook),
+    unless the user gave a hook of their own. Ray's cancel of a task cut a worker's first import of fsspec, and
+    every later Ray Data read on that worker failed (see _imports.py). Only for a Ray this package starts: a job's
+    driver joining a cluster cannot add a hook without clashing with one the job was submitted with."""
+    from ray_jax_train._imports import worker_setup_hook
+
+    kwargs = dict(init_kwargs)
+    runtime_env = dict(kwargs.get("runtime_env") or {})
+    if "worker_process_setup_hook" not in runtime_env:
+        runtime_env["worker_process_setup_hook"] = worker_setup_hook()
     kwargs["runtime_env"] = runtime_env
     return kwargs
 

@@ -59,7 +59,10 @@ def ray_cluster():
     paths = [here, os.path.join(os.path.dirname(here), "examples"), os.environ.get("PYTHONPATH", "")]
     if ray.is_initialized():  # a Ray-free test that started one anyway (a module run on its own meets it here)
         ray.shutdown()
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
+    from ray_jax_train.trainer import with_import_guard
+
+    ray.init(**with_import_guard(dict(
+        num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})))
     yield ray
     ray.shutdown()

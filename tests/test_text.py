@@ -797,7 +797,8 @@ print("whole")
 @pytest.mark.parametrize("statement, cut, finished, check", [
     # CI: Ray cut a worker's import of this package; fsspec.utils stayed without its fsspec, and every later task
     # on that worker failed with "partially initialized module 'fsspec' has no attribute 'utils'".
-    ("import ray_jax_train", "fsspec.config", "fsspec", "import fsspec; assert fsspec.utils.compressions"),
+    ("from ray_jax_train import JaxTrainer", "fsspec.config", "fsspec",
+     "import fsspec; assert fsspec.utils.compressions"),
     # A stream's read task imports datasets; cut there, a plain re-import failed ("partially initialized module
     # 'datasets' has no attribute 'utils'"), and dropping the finished modules failed too (pyarrow refuses to
     # register datasets' extension types twice).
@@ -839,6 +840,76 @@ def test_an_import_cut_outside_the_library_leaves_its_import_working():
     'utils'" as it imported this package, after some import of fsspec not ours was cut there."""
     done = subprocess.run([sys.executable, "-c", _CUT_OUTSIDE], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip() == "whole", done.stderr[-3000:]
+
+
+_CANCEL_CUTS_AN_IMPORT = r"""
+import os, pathlib, sys, time
+import ray
+import ray_jax_train as rjt
+
+assert "ray.train" not in sys.modules and "fsspec" not in sys.modules  # the package's own import is light
+root = pathlib.Path(sys.argv[1])
+(root / "halfmade").mkdir()
+(root / "halfmade" / "part.py").write_text("VALUE = 7\n")
+started = root / "started"
+(root / "halfmade" / "__init__.py").write_text(
+    "import os, time\n"
+    "import halfmade.part\n"
+    f"if not os.path.exists({str(started)!r}):\n"
+    f"    open({str(started)!r}, 'w').write(str(os.getpid()))\n"
+    "    for _ in range(1200):\n"
+    "        time.sleep(0.1)  # Ray's cancel interrupts here, inside the import\n"
+    # as fsspec reads fsspec.utils: a finished submodule read as its package's attribute
+    "VALUE = halfmade.part.VALUE\n")
+rjt.init_ray(num_cpus=1, include_dashboard=False)  # one CPU: the next tasks run on the worker the cancel cut
+
+
+@ray.remote
+def use():
+    sys.path.insert(0, str(root))
+    import halfmade
+    return os.getpid(), halfmade.VALUE
+
+
+first = use.remote()
+while not started.exists():
+    time.sleep(0.05)
+ray.cancel(first)
+try:
+    ray.get(first)
+    raise SystemExit("the cancel did not cut the import")
+except ray.exceptions.TaskCancelledError:
+    pass
+print([(pid == int(started.read_text()), value) for pid, value in ray.get([use.remote() for _ in range(2)])])
+"""
+
+
+def test_a_task_ray_cancels_mid_import_leaves_its_worker_importing_that_package(tmp_path):
+    """A CI run: a Ray Data read task failed "partially initialized module 'fsspec' has no attribute 'utils'"
+    after Ray cancelled an earlier task on its worker inside that worker's first fsspec import, with nothing of
+    this package imported there to mend it. A Ray that `init_ray` starts runs the guard in every worker first;
+    under a plain `ray.init` this script's later tasks fail that way (checked by hand)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", _CANCEL_CUTS_AN_IMPORT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[(True, 7), (True, 7)]", done.stdout[-2000:]
+
+
+def test_the_workers_guard_hook_lets_a_worker_without_this_package_start():
+    """Ray loads the hook in every worker of the Rays this package starts; one loaded by module path killed each
+    worker that could not import it (a task under another Python's runtime_env), and Ray started another for ever.
+    Pickled by value, it unpickles and runs without the package."""
+    from ray import cloudpickle
+
+    from ray_jax_train._imports import worker_setup_hook
+
+    script = ("import pickle, sys; sys.modules['ray_jax_train'] = None; hook = pickle.loads(sys.stdin.buffer.read());"
+              " hook(); print('started')")
+    done = subprocess.run([sys.executable, "-c", script], input=cloudpickle.dumps(worker_setup_hook()),
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.decode().strip() == "started", done.stderr.decode()[-3000:]
 
 
 def test_files_are_read_on_the_driver_node_when_other_nodes_lack_them(ray_cluster, tmp_path, monkeypatch):
