@@ -6,7 +6,7 @@ for flax or transformers before its loop asks for them.
 """
 import importlib
 
-from ray_jax_train._imports import guard_cut_imports
+from ray_jax_train._imports import guard_cut_imports, worker_setup_hook
 from ray_jax_train._imports import in_ray_worker as _in_ray_worker
 from ray_jax_train._imports import mend_cut_imports as _mend_cut_imports
 from ray_jax_train._imports import uninterrupted_imports as _uninterrupted_imports
@@ -93,7 +93,7 @@ _LAZY = {
     "extract_column_names": "ray_jax_train.text",
 }
 
-__all__ = ["guard_cut_imports", *_LAZY]
+__all__ = ["guard_cut_imports", "worker_setup_hook", *_LAZY]
 
 
 # Subpackages the docs name as `ray_jax_train.<name>` (`ray_jax_train.tune.run`): reachable after a plain import.

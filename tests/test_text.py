@@ -903,7 +903,7 @@ def test_the_workers_guard_hook_lets_a_worker_without_this_package_start():
     Pickled by value, it unpickles and runs without the package."""
     from ray import cloudpickle
 
-    from ray_jax_train._imports import worker_setup_hook
+    from ray_jax_train import worker_setup_hook
 
     script = ("import pickle, sys; sys.modules['ray_jax_train'] = None; hook = pickle.loads(sys.stdin.buffer.read());"
               " hook(); print('started')")
