@@ -166,6 +166,7 @@ def worker_setup_hook():
 
     return guard_cut_imports_where_installed
 
+
 _FIND_AND_LOAD = _frozen_importlib._find_and_load.__code__
 
 
