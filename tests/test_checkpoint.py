@@ -1001,16 +1001,17 @@ def test_a_loop_ported_from_rays_jaxtrainer_gets_told_what_to_change(ray_cluster
     with pytest.raises(Exception, match=r"(?s)which process 1 will never reach: it waits in ray.train.report \(its "
                                         r"report number 1; this process has made 0\).*neither can go on.*not only "
                                         r"on rank 0"):
-        fit("rank0", "rank0", timeout_s=90)
-    assert time.monotonic() - started < 80  # Ray's start-up included; the timeout alone is 90 s
+        fit("rank0", "rank0", timeout_s=300)
+    # Ray's start-up included (up to a minute on a loaded CI machine); the timeout alone is 300 s.
+    assert time.monotonic() - started < 200
     with pytest.raises(Exception, match=r"(?s)process\(es\) \[1\], which never reached it.*not only on rank 0"):
         fit("rank0_slow", "rank0_slow", timeout_s=2)  # rank 1 is only late: the timeout still names it
     # Rank 1 has returned from its loop: rank 0 says so at once.
     started = time.monotonic()
     with pytest.raises(Exception, match=r"(?s)which process 1 will never reach: its training function "
                                         r"has already returned.*not only on rank 0"):
-        fit("rank0_returns", "rank0_returns", timeout_s=90)
-    assert time.monotonic() - started < 80  # Ray's start-up included; the timeout alone is 90 s
+        fit("rank0_returns", "rank0_returns", timeout_s=300)
+    assert time.monotonic() - started < 200
 
     assert fit("state", "ported").error is None
     record = json.loads((tmp_path / "state.json").read_text())

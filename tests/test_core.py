@@ -518,7 +518,8 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert "A null in an integer column" in seen["layouts"], seen
     seen = json.loads((out / "rank0.json").read_text())
     assert "process 1 will never open its matching iterator: it waits in ray.train.report" in seen["rank0_eval"], seen
-    assert seen["rank0_eval_s"] < 30 and not seen["rank0_eval_chained"], seen
+    # Far below the 30-minute default, with room for a loaded CI machine, where rank 1 may reach its report late.
+    assert seen["rank0_eval_s"] < 120 and not seen["rank0_eval_chained"], seen
 
 
 # Written out here, not imported, so a wrong value in the library cannot pass as the reference.
