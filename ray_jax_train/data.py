@@ -262,9 +262,10 @@ def iter_jax_batches(
     if sync and jax.process_count() > 1:
         # What each process opened, compared before anything is read or even asked of Ray: iterators are matched
         # by opening order, and Ray waits without a timeout for every worker to ask for its shard of a dataset
-        # and to read it, so a worker that opened another one hung the run.
+        # and to read it, so a worker that opened another one hung the run. skip_batches too: the batch counts are
+        # agreed before the skip, so a process that skipped fewer would step alone into a collective and hang.
         opened = json.dumps([dataset if isinstance(dataset, str) else type(dataset).__name__, batch_size, remainder,
-                             sorted(columns) if columns is not None else None])
+                             sorted(columns) if columns is not None else None, f"skip_batches={skip_batches}"])
         agreement = _Agreement(next(_call_counter), sync_timeout_s, opened, sync_window)
         agreement.compare_opened()
     iterator = resolve_dataset(dataset)
@@ -523,7 +524,8 @@ def _check_integers_fit(key: str, value: np.ndarray, dtype) -> None:
     if not value.size:
         return
     if value.dtype.kind == "f" and dtype is not None and np.dtype(dtype).kind in "iub":
-        _check_floats_become_integers(key, value, np.dtype(dtype))
+        # Against the dtype on the devices: a float 3e9 cast to the requested int64 fits, then JAX's int32 wraps it.
+        _check_floats_become_integers(key, value, np.dtype(dtype), _on_device(dtype))
         return
     if value.dtype.kind in "iu" and dtype is not None and np.dtype(dtype).kind == "b":
         _check_zeros_and_ones(key, value)
@@ -591,9 +593,10 @@ def _check_no_overflow_to_inf(key: str, value: np.ndarray, target: np.dtype, *, 
             f"silently. Scale them first, or {fix}.")
 
 
-def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype) -> None:
+def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype,
+                                  on_device: Optional[np.dtype] = None) -> None:
     """A `dtypes` entry that casts floats to integers or bools: numpy turns NaN (a null) into -2**31 or True and
-    wraps values out of range, silently (a data review)."""
+    wraps values out of range, silently (a data review). `on_device` is what JAX narrows `target` to, if it does."""
     if not np.isfinite(value).all():
         raise DataValueError(
             f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds NaN or inf: a null in an "
@@ -603,14 +606,19 @@ def _check_floats_become_integers(key: str, value: np.ndarray, target: np.dtype)
     if target.kind == "b":
         _check_zeros_and_ones(key, value)
     if target.kind in "iu":
-        info = np.iinfo(target)
+        landed = target if on_device is None else on_device
+        info = np.iinfo(landed)
         low, high = value.min(), value.max()
-        if low < info.min or high > info.max or not np.array_equal(value, np.trunc(value)):
+        whole = np.array_equal(value, np.trunc(value))
+        if low < info.min or high > info.max or not whole:
+            narrowed = (f" ({target} becomes {landed} on the devices without jax_enable_x64)" if landed != target
+                        else "")
+            x64 = f" (64-bit integers on the devices: {_X64_FIX})" if landed != target else ""
             raise DataValueError(
-                f"dtypes casts column {key!r} from {value.dtype} to {target}, but it holds values from {low} to "
-                f"{high}{'' if np.array_equal(value, np.trunc(value)) else ' and fractions'}, which the cast "
-                f"would {'wrap' if low < info.min or high > info.max else 'truncate'} silently. Use a dtype that "
-                "holds them, or round them yourself first.")
+                f"dtypes casts column {key!r} from {value.dtype} to {target}{narrowed}, but it holds values from "
+                f"{low} to {high}{'' if whole else ' and fractions'}, which the "
+                f"cast would {'wrap' if low < info.min or high > info.max else 'truncate'} silently. Use a dtype "
+                f"that holds them{x64}{'' if whole else ', or round them yourself first'}.")
 
 
 def _check_zeros_and_ones(key: str, value: np.ndarray) -> None:

@@ -436,6 +436,11 @@ def _opened_out_of_step(config):
         seen["names"] = "no error"
     except RuntimeError as exc:
         seen["names"] = str(exc)
+    try:  # a resume position read per worker, not from the checkpoint: the one that skipped fewer stepped alone
+        next(iter(rjt.iter_jax_batches("a", batch_size=4, mesh=rjt.get_mesh(), skip_batches=rank)))
+        seen["skips"] = "no error"
+    except RuntimeError as exc:
+        seen["skips"] = str(exc)
     try:
         rjt.iter_jax_batches("whole", batch_size=4, mesh=rjt.get_mesh())
         seen["unsplit"] = "no error"
@@ -509,6 +514,7 @@ def test_iterators_opened_out_of_step_and_unsplit_datasets_fail_loudly(ray_clust
         assert "opened different iterators" in seen["order"] and '["a", 4' in seen["order"], seen
         assert '["a", 8' in seen["order"]
         assert "opened different iterators" in seen["names"] and '["b", 4' in seen["names"], seen
+        assert "opened different iterators" in seen["skips"] and '"skip_batches=1"]' in seen["skips"], seen
         # Before: every global batch held each row twice.
         assert "'whole' is not split" in seen["unsplit"] and "datasets_to_split" in seen["unsplit"], seen
         assert [w for w in seen["whole_dataset"] if "each row is fed 2 times" in w], seen

@@ -314,6 +314,13 @@ def test_datasets_that_are_not_ray_datasets_and_a_mask_key_the_data_has_are_refu
         with pytest.raises(ValueError, match=f"dtypes casts column 'i' from float64 to .*{fragment}"):
             _select({"i": np.array(values)}, None, {"i": dtype})
     assert _select({"i": np.array([1.0, 2.0])}, None, {"i": np.int32})["i"].tolist() == [1, 2]
+    # Floats cast to a 64-bit integer are checked against the 32 bits JAX narrows it to without x64: 3e9 fitted
+    # int64, then trained as -1294967296 (a data review). An int64 column of the same values was refused already.
+    for values, dtype in (([1.0, 3e9], np.int64), ([5e9], np.uint64), (np.array(["1", "3e9"]), np.int64)):
+        with pytest.raises(ValueError, match=r"to (u?int64) \(\1 becomes u?int32 on the devices without "
+                                             r"jax_enable_x64\).*which the cast would wrap.*jax_enable_x64', True"):
+            _select({"i": np.array(values)}, None, {"i": dtype})
+    assert _select({"i": np.array([1.0, 2e9])}, None, {"i": np.int64})["i"].tolist() == [1, 2_000_000_000]
     mesh = rjt.make_mesh({"dp": -1})
     for settings, error in (({"columns": "id"}, r"columns='id' must be a list of column names, e.g. columns=\['id'\]"),
                             ({"columns": []}, r"columns=\[\] keeps no column"),
