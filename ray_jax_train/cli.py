@@ -312,15 +312,16 @@ def _refuse_starting_over_beside_checkpoints(config) -> None:
         f"the new run another run.name, or move {run_dir} away first; or leave resume_if_possible on to resume it.")
 
 
-def _check_the_resume_before_ray(config) -> None:
+def _check_the_resume_before_ray(config) -> Optional[str]:
     """A run that resumes meets its tokenizer and checkpoint here, before Ray starts: a changed
     tokenizer.vocab_size or model size was refused 12-16 s later, once Ray was up (a CLI review). Only where both
-    are on local disk already (no tokenizer to train first); the trainer's build checks again, and warns, later."""
+    are on local disk already (no tokenizer to train first); the trainer's build checks again, and warns, later.
+    Returns the checkpoint it resumes from, where it looked."""
     from ray_jax_train.run_config import TOKENIZER_DIR, check_resumed_model, ensure_tokenizer
     from ray_jax_train.storage import is_uri, join
 
     if not config.run.name:
-        return  # a new run: its name is made now
+        return None  # a new run: its name is made now
     run_dir = join(config.with_absolute_paths().run.storage_path, config.run.name)
     from ray_jax_train.lm.export import final_model_blocked
 
@@ -330,10 +331,10 @@ def _check_the_resume_before_ray(config) -> None:
 
         raise ConfigError(f"run.name: {blocked}")
     if not config.training.get("resume_if_possible", True):
-        return  # refused above for starting over
+        return None  # refused above for starting over
     saved = os.path.isfile(os.path.join(run_dir, TOKENIZER_DIR, "tokenizer.json"))
     if is_uri(run_dir) or not (saved or config.tokenizer.path) or not glob.glob(os.path.join(run_dir, "checkpoint_*")):
-        return
+        return None
     quiet = [logging.getLogger(name) for name in ("ray_jax_train.run_config", "ray_jax_train.lm.export",
                                                   "ray_jax_train.lm.state")]
     levels = [log.level for log in quiet]
@@ -341,10 +342,36 @@ def _check_the_resume_before_ray(config) -> None:
         log.setLevel(logging.ERROR)
     try:
         tokenizer = ensure_tokenizer(config, join(run_dir, TOKENIZER_DIR), reuse=True)
-        check_resumed_model(run_dir, config.llama_config(tokenizer))
+        return check_resumed_model(run_dir, config.llama_config(tokenizer))
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def _finished_already(config, resumes_from: Optional[str]) -> bool:
+    """True, said, where the run is at training.total_steps already and its final_model/ was written after that
+    checkpoint: a rerun started Ray and a worker (30 s) only to write final_model/ again, and its summary counted
+    the no-op as a restart. Where final_model/ is missing or older (a run stopped before it), the run goes on to
+    write it. Local runs with total_steps set only: num_epochs is counted from the data, once Ray is up."""
+    from ray_jax_train.run_config import checkpoint_step
+
+    total, at = config.training.get("total_steps"), checkpoint_step(resumes_from)
+    if not total or at is None or at < total or not config.training.get("save_final_model", True):
+        return False
+    final = os.path.join(os.path.dirname(resumes_from), "final_model")
+
+    def newest(path):
+        return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
+
+    if not (os.path.isfile(os.path.join(final, "config.json")) and glob.glob(os.path.join(final, "*.safetensors"))):
+        return False
+    if min(os.path.getmtime(f) for f in glob.glob(os.path.join(final, "*.safetensors"))) < newest(resumes_from):
+        return False
+    print(f"ray-jax-train: run {config.run.name} is at step {at} already, at or past training.total_steps={total}, "
+          f"and its final model is from that step: nothing to train, and Ray was not started.\n"
+          f"final model: {final}\n"
+          "Raise training.total_steps to train it on, or give a new run.name.", file=sys.stderr, flush=True)
+    return True
 
 
 def _check_storage_usable(path: str, make: bool = True) -> None:
@@ -405,7 +432,8 @@ def cmd_fit(args) -> int:
     check_data_columns(config)  # before Ray starts
     _check_storage_usable(config.with_absolute_paths().run.storage_path)
     _refuse_starting_over_beside_checkpoints(config)
-    _check_the_resume_before_ray(config)
+    if _finished_already(config, _check_the_resume_before_ray(config)):
+        return EXIT_OK
     _connect(config, args.address, args.verbose)
     check_cluster_fits(config.scaling)
     _check_storage_not_in_job_copy(config.with_absolute_paths().run.storage_path)

@@ -196,9 +196,33 @@ def search_trials(search_dir: str) -> List[Dict]:
             continue
         trial_id, number, values = match.groups()
         run_dir = f"{search_dir}-{trial_id}"
+        values = _searched_values(os.path.join(search_dir, name)) or values
         trials.append({"trial_id": trial_id, "number": int(number), "label": values or trial_id,
                        "run_dir": run_dir, "best": run_dir == best_run})
     return sorted(trials, key=lambda t: t["number"])
+
+
+def _searched_values(trial_dir: str) -> str:
+    """"learning_rate=1e-05" from the trial's params.json: its directory's name rounds values to 4 decimals, so
+    1e-05 and 1e-06 both read learning_rate=0.0000 there. "" where the file is missing or unreadable."""
+    try:
+        with open(os.path.join(trial_dir, "params.json")) as f:
+            params = json.load(f)
+    except (OSError, ValueError):
+        return ""
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    if not isinstance(params, dict):
+        return ""
+    # The section (training., model.) dropped as the CLI's summary does: the key alone names the value.
+    return ", ".join(f"{key.split('.', 1)[-1]}={value:.4g}" if isinstance(value, float) else
+                     f"{key.split('.', 1)[-1]}={value}" for key, value in flat(params))
 
 
 def plot_search(search_dir: str, output: Optional[str] = None, smoothing: float = 0.6) -> str:

@@ -531,8 +531,11 @@ def test_plot_of_a_search_draws_every_trial_s_loss_together(tmp_path, capsys):
     search = tmp_path / "lr-search"
     search.mkdir()
     (search / "search_config.json").write_text("{}")
-    for n, (trial_id, lr) in enumerate((("86706_00000", "0.0030"), ("86706_00001", "0.0001"), ("86706_00002", "1"))):
-        (search / f"trial_{trial_id}_{n}_learning_rate={lr}_2026-11-26_13-58-58").mkdir()
+    for n, (trial_id, lr) in enumerate((("86706_00000", "0.0030"), ("86706_00001", "0.0000"), ("86706_00002", "1"))):
+        trial = search / f"trial_{trial_id}_{n}_learning_rate={lr}_2026-11-26_13-58-58"
+        trial.mkdir()
+        if n == 1:  # Tune's directory name rounds 1e-05 and 1e-06 alike to 0.0000; its params.json does not
+            (trial / "params.json").write_text(json.dumps({"training": {"learning_rate": 1e-05}}))
         if n == 2:
             continue  # a trial that failed before it logged: no curve, no error
         (tmp_path / f"lr-search-{trial_id}").mkdir()
@@ -541,7 +544,7 @@ def test_plot_of_a_search_draws_every_trial_s_loss_together(tmp_path, capsys):
     (search / "best.json").write_text(json.dumps({"run_dir": str(tmp_path / "lr-search-86706_00000")}))
     trials = search_trials(str(search))
     assert [(t["label"], t["best"]) for t in trials] == [("learning_rate=0.0030", True),
-                                                          ("learning_rate=0.0001", False), ("learning_rate=1", False)]
+                                                          ("learning_rate=1e-05", False), ("learning_rate=1", False)]
     here = os.getcwd()
     try:  # a relative path, as typed: best.json's absolute one matched no trial (a review)
         os.chdir(tmp_path)

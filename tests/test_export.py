@@ -1,4 +1,5 @@
 """Exporting a run's checkpoints as Hugging Face model directories (`export_checkpoint`, `ray-jax-train export`)."""
+import glob
 import json
 import time
 import os
@@ -251,6 +252,23 @@ def test_a_cli_resume_with_another_model_is_refused_before_ray_starts(run, capsy
     assert "whose model differs from the one the config builds now (hidden_size 32 -> 64" in err, err
     with pytest.raises(AssertionError, match="Ray was started"):  # the run's own model passes on to Ray
         main(resume)
+    # At total_steps already, with final_model/ from that step: a rerun started Ray and a worker (30 s) to write it
+    # again, and its summary counted the no-op as a restart (a new user's walkthrough). Now nothing starts.
+    capsys.readouterr()
+    assert main(resume + ["--set", "training.total_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "is at step 4 already" in err and "Ray was not started" in err and "final_model" in err, err
+    # A final_model/ older than the latest checkpoint (a run stopped between them) is written again, by the run.
+    weights = glob.glob(os.path.join(run_dir, "final_model", "*.safetensors"))
+    times = [(os.stat(w).st_atime, os.stat(w).st_mtime) for w in weights]
+    try:
+        for w in weights:
+            os.utime(w, (0, 0))
+        with pytest.raises(AssertionError, match="Ray was started"):
+            main(resume + ["--set", "training.total_steps=4"])
+    finally:
+        for w, t in zip(weights, times):
+            os.utime(w, t)
 
 
 def test_a_fit_under_a_used_name_says_it_resumes_and_when_nothing_is_left(run, capsys):
