@@ -773,6 +773,9 @@ def cmd_generate(args) -> int:
         _warn_if_trained_on(args.model_dir, best)
     if os.path.isfile(os.path.join(model_dir, "final_model", "config.json")):
         model_dir = os.path.join(model_dir, "final_model")
+    if not os.path.exists(model_dir):
+        raise UsageError(f"{model_dir} does not exist: give a run directory (<storage_path>/<run name>), its "
+                         "final_model/, or a Hugging Face model directory")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise UsageError(f"{args.model_dir}: neither a model directory (config.json and *.safetensors) nor a run "
                          "directory with a final_model/ (a run writes it when training ends; `ray-jax-train export` "
@@ -843,7 +846,7 @@ def cmd_export(args) -> int:
         out = export_checkpoint(args.source, args.out_dir, model_config=args.model_config, tokenizer=args.tokenizer,
                                 dtype=args.dtype, overwrite=args.overwrite)
     except (ValueError, FileExistsError) as exc:  # another model's checkpoint, a bad dtype, a full out_dir: a message
-        raise UsageError(str(exc)) from None
+        raise UsageError(str(exc).replace("pass overwrite=True (CLI: --overwrite)", "pass --overwrite")) from None
     except CheckpointCorruptError as exc:
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -47,8 +47,9 @@ def _read_metrics_text(run_dir: str) -> str:
         runs = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(glob.escape(run_dir), "*", "metrics.jsonl")))
         inside = f"; the runs in it: {', '.join(runs[:10])}{' ...' if len(runs) > 10 else ''}" if runs else ""
         raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a training run directory "
-                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`){inside}") \
-            from None
+                                f"(<storage_path>/<run name>, printed at the end of `ray-jax-train fit`){inside}. "
+                                "A JaxTrainer run of your own loop writes metrics.jsonl with "
+                                "RunConfig(callbacks=[rjt.plot.MetricsFileCallback()])") from None
     return text
 
 

@@ -106,7 +106,16 @@ def test_export_says_what_it_needs(run, tmp_path, capsys):
     with pytest.raises(FileExistsError, match="holds files already .* overwrite=True"):
         export_checkpoint(run_dir, base)
     assert main(["export", run_dir, str(base)]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "or pass --overwrite." in err and "overwrite=True" not in err, err  # the CLI's own flag, not Python's
+    # Not into the run itself, even with --overwrite: that mixed an HF model's files into the checkpoint it read.
+    early, last = _checkpoints(run_dir)
+    before = sorted(os.listdir(last))
+    for inside, what in ((last, "is the checkpoint it exports"), (os.path.join(last, "hf"), "is inside the checkpoint"),
+                         (run_dir, "is the run's directory"), (os.path.join(run_dir, "model"), "is the run's model/")):
+        assert main(["export", run_dir, inside, "--overwrite"]) == 2
+        assert what in capsys.readouterr().err
+    assert sorted(os.listdir(last)) == before
     assert (base / "model.safetensors").read_bytes() == b"the user's own weights"
     (base / "generation_config.json").write_text("{}")  # the earlier model's; this run has its own
     assert main(["export", run_dir, str(base), "--overwrite"]) == 0

@@ -195,7 +195,7 @@ def test_generate_text_for_text_and_chat_prompts(model_dir):
     assert generate_text(model, str(model_dir[0] / "final_model"), chat, max_new_tokens=8) == answer
 
 
-def test_cli_generate_prints_the_completion(model_dir):
+def test_cli_generate_prints_the_completion(model_dir, capsys):
     run, model, tokenizer = model_dir
     expected = generate_text(model, tokenizer, "Once upon a time", max_new_tokens=6)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
@@ -207,6 +207,8 @@ def test_cli_generate_prints_the_completion(model_dir):
     chat_hi = ["--prompt", "Hi", "--chat", "--max-new-tokens", "4"]  # the calls below reuse its compiled program
     assert main(["generate", str(run / "final_model"), *chat_hi]) == 0
     assert main(["generate", str(run), "--prompt", "Hi", "--top-p", "2"]) == 2
+    assert main(["generate", str(run) + "-typo", "--prompt", "Hi"]) == 2
+    assert "-typo does not exist: give a run directory" in capsys.readouterr().err
     # Without --max-new-tokens: 64, or what max_position_embeddings (64 here) leaves after the prompt.
     assert main(["generate", str(run), "--prompt", "Once upon a time"]) == 0
     assert main(["generate", str(run / "missing"), "--prompt", "Hi"]) == 2

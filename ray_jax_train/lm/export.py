@@ -68,6 +68,7 @@ def export_checkpoint(source: PathLike, out_dir: PathLike, *, model_config: Any 
 
         dtype = canonical_dtype(dtype)
     checkpoint, run_dir = _resolve(checkpoint_text(source))  # `result.checkpoint` too, as `restore` takes it
+    _refuse_writing_into_the_run(os.fspath(out_dir), checkpoint, run_dir)
     fs, model_files = storage.filesystem(storage.join(run_dir, MODEL_FILES))
     has_files = fs.get_file_info(f"{model_files}/config.json").type == pafs.FileType.File
     own_config = _checkpoint_hf_config(checkpoint) if model_config is None else None
@@ -135,6 +136,25 @@ def _refuse_a_full_dir(out_dir: str, overwrite: bool) -> None:
         raise FileExistsError(
             f"{out_dir} holds files already (a model there would be replaced, and its other files mixed with this "
             "one's): give export a new or empty directory, or pass overwrite=True (CLI: --overwrite).")
+
+
+def _refuse_writing_into_the_run(out_dir: str, checkpoint: str, run_dir: str) -> None:
+    """Even with overwrite: an export into the checkpoint it reads, the run's directory or its model/ mixed an HF
+    model's files into the run's own (a new user's walkthrough), and replaced model/config.json, which resumes and
+    later exports read."""
+    from ray_jax_train.storage import is_uri
+
+    def norm(path: str) -> str:
+        return path.rstrip("/") if is_uri(path) else os.path.realpath(path)
+
+    out = norm(out_dir)
+    for place, what in ((norm(checkpoint), "the checkpoint it exports"), (norm(run_dir), "the run's directory"),
+                        (norm(f"{run_dir.rstrip('/')}/{MODEL_FILES}"), f"the run's {MODEL_FILES}/")):
+        inside = out == place or (what == "the checkpoint it exports" and out.startswith(place + "/"))
+        if inside:
+            raise ValueError(f"{out_dir} is {what if out == place else 'inside ' + what}: an export there mixes a "
+                             "Hugging Face model's files into the run's own. Give export a directory outside the "
+                             f"run's checkpoints, e.g. {norm(run_dir)}/final_model or a new one.")
 
 
 def _resolve(source: str):
