@@ -139,13 +139,14 @@ def _connect(config, address: Optional[str], verbose: bool):
             print(f"ray-jax-train: warning: {warning}", file=sys.stderr, flush=True)
         env = {} if verbose else dict(QUIET_ENV)
         # Logical CPUs beyond the workers' leave room for Ray Data on a small machine.
-        with env_unless_set(*TASK_EVENTS_IN_GCS):  # read by the GCS this starts
+        with env_unless_set(*TASK_EVENTS_IN_GCS), _without_ray_start_line(verbose):  # the env: read by the GCS
             ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1, int(need) + 1),
                      **with_import_guard(with_named_dashboard(dict(runtime_env={"env_vars": env}, **kwargs))))
     else:
         _check_address(address, "--address" if given else ("RAY_ADDRESS" if os.environ.get("RAY_ADDRESS")
                                                             else "run.address"))
-        ray.init(address=address, **kwargs)
+        with _without_ray_start_line(verbose):
+            ray.init(address=address, **kwargs)
     if not verbose:
         from ray_jax_train.quiet import filter_worker_notices, quiet_data_context
 
@@ -154,6 +155,13 @@ def _connect(config, address: Optional[str], verbose: bool):
         for name in _NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR if name != "ray_jax_train" else logging.WARNING)
     return ray
+
+
+def _without_ray_start_line(verbose: bool):
+    """The driver's own "Set ray log level from environment variable" line opened every quiet run's output."""
+    from ray_jax_train.quiet import without_ray_start_line
+
+    return contextlib.nullcontext() if verbose else without_ray_start_line()
 
 
 def _more_cpus_than_cores(need: float, cores: int) -> Optional[str]:

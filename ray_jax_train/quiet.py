@@ -114,6 +114,64 @@ def quiet_train_loop(config: Dict[str, Any]) -> None:
         raise
 
 
+# What a process's own C++ core prints to its stderr as `ray.init` starts it: the announcement above, which no logger
+# setting reaches (it is logged before the level applies).
+_DRIVER_START_LINE = re.compile(rb"logging\.cc:\d+: Set ray log level from environment variable")
+
+
+@contextlib.contextmanager
+def without_ray_start_line():
+    """Within it, this process's stderr (the file descriptor, which Ray's C++ logging writes to) passes through a
+    filter that drops `_DRIVER_START_LINE` and forwards everything else as it comes. Where stderr has no
+    descriptor (a notebook, a captured test) nothing changes."""
+    import threading
+
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    read, write = os.pipe()
+    os.dup2(write, fd)
+    os.close(write)
+
+    def forward():
+        # Never stops reading while the pipe is open: a writer to a full pipe would block (a process Ray starts
+        # inherits fd 2 unless Ray redirects it; its later lines pass through here).
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            pending = b""
+            while True:
+                chunk = pipe.read(65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                kept = b"".join(line + b"\n" for line in lines if not _DRIVER_START_LINE.search(line))
+                try:
+                    if kept:
+                        os.write(saved, kept)
+                except OSError:  # the terminal went away: drop the output, keep draining the pipe
+                    pass
+            if pending:
+                try:
+                    os.write(saved, pending)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=forward, name="ray_jax_train-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, fd)  # the pipe closes unless a process started within inherited it
+        thread.join(timeout=2)
+        if not thread.is_alive():
+            os.close(saved)
+
+
 def quiet_run_settings() -> Dict[str, Any]:
     """`RunConfig` keyword arguments that keep workers to warnings (their env vars apply when each one starts)."""
     from ray.train.v2.api.config import LoggingConfig
