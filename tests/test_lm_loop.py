@@ -371,8 +371,10 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
 
     rows = packed_rows()
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
+    # Shuffled too: the resumed run reads the same shuffled order (a seed per epoch and process) past its skip.
     args = TrainingArguments(total_steps=4, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2, log_steps=1,
-                             save_steps=2, progress_bar=False, resume_if_possible=True, save_final_model=False)
+                             save_steps=2, progress_bar=False, resume_if_possible=True, save_final_model=False,
+                             shuffle_buffer_size=16)
 
     def fit(record):
         trainer = rjt.JaxTrainer(
@@ -402,6 +404,8 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
         assert all(np.array_equal(a[k], b[k]) for k in a), step
     a, b = (dict(np.load(tmp_path / run / "final_params.npz")) for run in ("first", "again"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
+    read = np.concatenate([np.load(tmp_path / "first" / f"batch_{s:06d}.npz")["input_ids"] for s in range(1, 5)])
+    assert not np.array_equal(read, np.asarray(rows["input_ids"][:16])), "the shuffle left the order as it was"
     assert first.metrics["step"] == 4
     # Resumed at its end it trains nothing, and reported nothing: a Tune trial rerun so had no loss and no
     # checkpoint, and its search named another trial best (a Tune chaos review). Its last record is reported again.
