@@ -1090,10 +1090,12 @@ def check_data_columns(config: ExperimentConfig) -> None:
             raise ConfigError(f"data.{which} ({first}): {exc}") from None
         for file, columns in peeked[1:]:  # one shard under another column name: its rows read as null text
             try:
-                resolve_column(columns, text_column, messages_column)
+                other, _ = resolve_column(columns, text_column, messages_column)
             except TextDataError as exc:
                 raise ConfigError(f"data.{which}: {file} differs from {first}: {exc} Every file must hold the same "
                                   "column: rename it in that file, or leave the file out.") from None
+            if other == "messages" and kind != "messages":  # text files and chat files: the chats need a template
+                first, kind = file, other
         tokenizer_dir = config.tokenizer.path or init_tokenizer_dir(config)
         if kind != "messages" or tokenizer_dir is None or is_uri(tokenizer_dir):
             continue  # a tokenizer trained at run time gets a chat template that marks assistant turns

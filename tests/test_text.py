@@ -306,6 +306,39 @@ def test_rows_mixing_text_and_chat_keep_their_text_rows(tokenizer):
     assert out["loss_mask"].sum() == chat_masks[0][1:].sum() + sum(len(d) - 1 for d in text_docs)
 
 
+def test_text_files_and_chat_files_together_train_on_both(tokenizer, tmp_path):
+    """A directory of a text file and a chat file: the kind was fixed from the first file's row, so a batch joined
+    across the two (the chats' text null) dropped every conversation, silently, and a chat-only batch failed with
+    "column 'text' is missing" mid-run (a text pipeline review). Each batch now goes by its own columns, and the
+    driver's check finds the chat file, whose conversations need a chat template."""
+    import pyarrow as pa
+
+    from ray_jax_train.run_config import ConfigError, check_data_columns, load_config
+
+    packer = TokenizeAndPack(tokenizer, 256, kind="text")  # what the driver passes after the text file's first row
+    joined = packer(pa.table({"text": ["hello world", None], "messages": [None, CHAT]}))
+    chats_only = packer(pa.table({"messages": [CHAT]}))
+    chat_docs, chat_masks = encode_chats(tokenizer, [CHAT])
+    text_docs = encode_texts(tokenizer, ["hello world"])
+    segments = [joined["input_ids"][r][joined["segment_ids"][r] == s].tolist()
+                for r in range(len(joined["input_ids"])) for s in sorted(set(joined["segment_ids"][r].tolist()) - {0})]
+    assert sorted(segments) == sorted(d.tolist() for d in chat_docs + text_docs)
+    assert chats_only["loss_mask"].sum() == chat_masks[0][1:].sum()
+    assert TokenizeAndPack(tokenizer, 256, kind="messages")(pa.table({"text": ["hello world"]}))["loss_mask"].sum() \
+        == len(text_docs[0]) - 1
+    # On the driver: a tokenizer without generation tags is refused for the chat file, though the text file is first.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"text": "plain text"}) + "\n")
+    (data / "b.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    plain = tmp_path / "plain_tokenizer"
+    train_tokenizer(["plain text here"] * 20, vocab_size=300, save_dir=str(plain), chat_template=None)
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny_llama.yaml")
+    with pytest.raises(ConfigError, match=r"b\.jsonl\) holds conversations in 'messages'.*no chat template"):
+        check_data_columns(load_config(tiny, [f"data.source={data}", f"tokenizer.path={plain}"]))
+    check_data_columns(load_config(tiny, [f"data.source={data}"]))  # a tokenizer trained at run time: a template
+
+
 def test_rows_holding_both_a_conversation_and_text_say_which_is_trained(tokenizer, caplog):
     """A row with both trains on its conversation; it did so without a word, even with text_column set (a review).
     The driver now says so and names messages_column=None, which trains on the text."""

@@ -69,9 +69,17 @@ class TokenizeAndPack:
         self.pad_id = pad_id if pad_id is not None else ensure_pad_token(self.tokenizer).pad_token_id
 
     def __call__(self, batch: Any) -> dict[str, np.ndarray]:
-        kind = self.kind
-        if kind is None:
-            kind, _ = resolve_column(_batch_columns(batch), self.text_column, self.messages_column)
+        # Each batch by its own columns, not by the kind the driver saw in the first row: a directory of text files
+        # and chat files (or a source list of both) reads as text-only batches, chat-only ones, and batches joined
+        # across the two with the other column null. A kind fixed from the first file dropped every conversation
+        # of a joined batch, silently, and failed on a batch without its column (a text pipeline review).
+        columns = _batch_columns(batch)
+        if self.messages_column is not None and self.messages_column in columns:
+            kind = "messages"
+        elif self.text_column in columns:
+            kind = "text"
+        else:
+            kind = self.kind or resolve_column(columns, self.text_column, self.messages_column)[0]
         if kind == "messages":
             conversations = _column_values(batch, self.messages_column)
             docs, masks = encode_chats(self.tokenizer, [c for c in conversations if c])
