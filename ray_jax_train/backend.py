@@ -566,6 +566,12 @@ def _jax_platforms_source(config: JaxConfig, run_config) -> Optional[str]:
     return f"JAX_PLATFORMS={value.strip()!r} (set in {where})"
 
 
+def coordinator_address(ip: str, port: int) -> str:
+    """host:port as gRPC reads it: an IPv6 node's address in brackets ("fd00::1:1234" read as a host without a
+    port, and jax.distributed.initialize waited out its whole timeout, then aborted the process)."""
+    return f"[{ip}]:{port}" if ":" in ip and not ip.startswith("[") else f"{ip}:{port}"
+
+
 def multislice_env(num_workers: int, num_slices: int, workers_per_slice: int, coordinator_ip: str) -> List[dict]:
     """Per-worker `MEGASCALE_*` variables for multi-slice TPU, from Ray's own TPU utility."""
     if num_slices <= 1:
@@ -675,8 +681,9 @@ def _setup_worker(
             process_id=process_id,
             local_device_ids=local_device_ids,
             initialization_timeout=max(1, math.ceil(config.initialization_timeout_s - waited)),
-            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-            shutdown_timeout_seconds=config.shutdown_timeout_s,
+            # Whole seconds: jaxlib's service refuses a float (10.5, even 30.0) with a TypeError on every attempt.
+            heartbeat_timeout_seconds=max(1, math.ceil(config.heartbeat_timeout_s)),
+            shutdown_timeout_seconds=max(1, math.ceil(config.shutdown_timeout_s)),
         )
     except Exception as exc:
         raise DistributedStartError(f"jax.distributed.initialize failed on process {process_id} of "
@@ -951,7 +958,7 @@ class _JaxBackend(Backend):
         cores = self._cpu_cores(worker_group, backend_config)
         futures = [
             worker_group.execute_single_async(
-                rank, _setup_worker, f"{coord_ip}:{coord_port}", num_workers, rank, backend_config, slice_envs[rank],
+                rank, _setup_worker, coordinator_address(coord_ip, coord_port), num_workers, rank, backend_config, slice_envs[rank],
                 cores[rank],
             )
             for rank in range(num_workers)

@@ -162,8 +162,10 @@ def _fit(tmp_path, name, config, *, num_workers=2, faults="", max_failures=0, nu
         scaling_config=ScalingConfig(num_workers=num_workers),
         # A short shutdown timeout: after rank 1 is killed, the survivor's jax.distributed.shutdown waits this long
         # for the dead peer before each restart (a dead rank 0 takes the coordinator with it: no wait). Healthy
-        # workers reach that barrier together, well within it.
-        jax_config=rjt.JaxConfig(env_vars={FAULTS_ENV: faults} if faults else {}, shutdown_timeout_s=2),
+        # workers reach that barrier together, well within it. Fractions of seconds, which jaxlib's service refused
+        # on every start (a TypeError the retries met again), are rounded up for it.
+        jax_config=rjt.JaxConfig(env_vars={FAULTS_ENV: faults} if faults else {}, shutdown_timeout_s=1.5,
+                                 heartbeat_timeout_s=100.5),
         run_config=RunConfig(
             name=name,
             storage_path=str(tmp_path / "storage"),

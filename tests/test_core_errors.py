@@ -40,6 +40,15 @@ def test_jax_config_settings_of_the_wrong_kind_are_refused(bad, error, fragment)
     assert fragment in str(raised.value)
 
 
+def test_an_ipv6_node_s_coordinator_address_is_bracketed():
+    """gRPC read "fd00::1:1234" as a host without a port: initialize waited out its timeout and aborted."""
+    from ray_jax_train.backend import coordinator_address
+
+    assert coordinator_address("fd00::1", 1234) == "[fd00::1]:1234"
+    assert coordinator_address("[fd00::1]", 1234) == "[fd00::1]:1234"
+    assert coordinator_address("10.0.0.7", 1234) == "10.0.0.7:1234"
+
+
 def test_cpu_affinity_puts_workers_on_distinct_physical_cores():
     """Topologies written out: this 2-core VM has no hyperthreads (test_core pins real workers on it)."""
     # 8 cores x 2 threads, Linux's usual numbering: cpu i and i + 8 are one core.
