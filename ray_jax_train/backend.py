@@ -253,6 +253,11 @@ class JaxConfig(BackendConfig):
                     logger.info("JAX_PLATFORMS=%r from %s does not lead with the run's platform %r; using %r.",
                                 value, source, platform, env["JAX_PLATFORMS"])
                 break
+        # The worker's own XLA_FLAGS (a runtime_env's, or inherited) stay, before env_vars' (a later flag wins):
+        # env_vars replaced them, so a device count set there was dropped while the driver had counted it.
+        own_flags = str((environ if environ is not None else os.environ).get("XLA_FLAGS", "")).strip()
+        if "XLA_FLAGS" in env and own_flags and own_flags not in env["XLA_FLAGS"]:
+            env["XLA_FLAGS"] = f"{own_flags} {env['XLA_FLAGS']}".strip()
         flags = list(self.xla_flags)
         if platform == "tpu":
             libtpu = [flag for flag in flags if flag.startswith(_LIBTPU_FLAG_PREFIXES)]
@@ -261,7 +266,7 @@ class JaxConfig(BackendConfig):
                 env["LIBTPU_INIT_ARGS"] = " ".join(
                     [env.get("LIBTPU_INIT_ARGS", os.environ.get("LIBTPU_INIT_ARGS", ""))] + libtpu).strip()
         if flags:
-            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))] + flags).strip()
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", own_flags)] + flags).strip()
         if self.gpu_memory_preallocate is not None:
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if self.gpu_memory_preallocate else "false"
         if self.gpu_memory_fraction is not None:
@@ -683,7 +688,8 @@ def _setup_worker(
             initialization_timeout=max(1, math.ceil(config.initialization_timeout_s - waited)),
             # Whole seconds: jaxlib's service refuses a float (10.5, even 30.0) with a TypeError on every attempt.
             heartbeat_timeout_seconds=max(1, math.ceil(config.heartbeat_timeout_s)),
-            shutdown_timeout_seconds=max(1, math.ceil(config.shutdown_timeout_s)),
+            shutdown_timeout_seconds=(None if config.shutdown_timeout_s is None
+                                      else max(1, math.ceil(config.shutdown_timeout_s))),
         )
     except Exception as exc:
         raise DistributedStartError(f"jax.distributed.initialize failed on process {process_id} of "

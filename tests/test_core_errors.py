@@ -137,6 +137,16 @@ def test_worker_env_carries_jax_and_xla_settings():
     assert one.xla_flags == ["--xla_cpu_enable_fast_math=false", "--xla_cpu_use_thunk_runtime=true"]
     assert one.worker_env()["XLA_FLAGS"].endswith("--xla_cpu_enable_fast_math=false --xla_cpu_use_thunk_runtime=true")
     assert one.worker_env()["JAX_ENABLE_X64"] == "true" and one.worker_env()["JAX_TRACEBACK_FILTERING_LIMIT"] == "3"
+    # XLA_FLAGS in env_vars come after the worker's own (a runtime_env's), which they replaced: a device count set
+    # there was dropped, though the driver had counted it, and the mesh failed in every worker (a backend review).
+    both = rjt.JaxConfig(env_vars={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}, xla_flags=["--xla_x=1"])
+    own = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert both.worker_env(own)["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=4 "
+                                                 "--xla_cpu_enable_fast_math=false --xla_x=1")
+    assert both.worker_env({})["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_x=1"
+    from ray_jax_train.backend import hand_set_cpu_devices
+
+    assert hand_set_cpu_devices(both.worker_env(own)) == 4
     from ray.train import RunConfig
 
     from ray_jax_train.backend import _cpu_devices_per_worker, hand_set_cpu_devices
