@@ -437,16 +437,23 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
         from ray.train.constants import JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S
 
         config.shutdown_timeout_s = ray_constants.env_integer(JAX_DISTRIBUTED_SHUTDOWN_TIMEOUT_S, 60)
+    _check_dcn_spans_the_workers(config, scaling_config)  # first: the mesh's blocks below assume it
     devices = _global_device_count(config, scaling_config, run_config)
     if config.mesh is not None and devices is not None:
         from ray_jax_train.mesh import resolve_axes
 
         who = "the workers" if config.distributed else "each worker (distributed=False)"
         try:
-            resolve_axes(config.mesh, devices)
+            sizes = resolve_axes(config.mesh, devices)
         except ValueError as exc:
             raise ValueError(f"JaxConfig(mesh=...) does not fit the {devices} devices {who} will have: {exc}")
-    _check_dcn_spans_the_workers(config, scaling_config)
+        dcn = {k: v for k, v in (config.dcn_mesh or {}).items() if v != -1}
+        split = {k: (sizes[k], v) for k, v in dcn.items() if k in sizes and sizes[k] % v}
+        if split:  # each axis is dcn blocks of equal size: found in every worker once they had started
+            raise ValueError(
+                f"JaxConfig(mesh={dict(config.mesh)}) over {devices} devices gives "
+                f"{', '.join(f'{k}={n}' for k, (n, _) in split.items())}, not divisible by dcn_mesh's "
+                f"{', '.join(f'{k}={d}' for k, (_, d) in split.items())}: each axis is dcn_mesh blocks of equal size.")
     return config
 
 
@@ -454,11 +461,17 @@ def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
     """On CPU and GPU the slow network's granules are the worker processes, known here: a dcn_mesh of another size
     failed in every worker once they had started. (TPU granules are slices, known only there.)"""
     workers = scaling_config.num_workers
-    if config.dcn_mesh is None or config.platform == "tpu" or not config.distributed or not isinstance(workers, int) \
-            or workers < 1:
+    if config.dcn_mesh is None or config.platform == "tpu" or not isinstance(workers, int) or workers < 1:
         return
     known = math.prod(v for v in config.dcn_mesh.values() if v != -1)
     inferred = any(v == -1 for v in config.dcn_mesh.values())
+    if not config.distributed:  # each worker's mesh is its own process's devices: one granule
+        if known != 1:
+            raise ValueError(
+                f"JaxConfig(dcn_mesh={dict(config.dcn_mesh)}) spans {known} processes, but with distributed=False "
+                "each worker's mesh spans only its own devices (one process): leave dcn_mesh out, or set "
+                "distributed=True for one mesh across the workers.")
+        return
     if (workers % known) if inferred else (known != workers):
         raise ValueError(
             f"JaxConfig(dcn_mesh={dict(config.dcn_mesh)}) spans {known}{' x n' if inferred else ''} processes, but "
@@ -472,7 +485,8 @@ def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> 
     (num_workers=0), a TPU ScalingConfig without accelerator_type, and a CPU count only the driver's own
     environment sets."""
     workers = scaling_config.num_workers
-    if not isinstance(workers, int) or workers < 1 or config.dcn_mesh is not None:
+    # A multi-slice TPU mesh's devices are known only there; on CPU and GPU dcn_mesh splits the same devices.
+    if not isinstance(workers, int) or workers < 1 or (config.dcn_mesh is not None and config.platform == "tpu"):
         return None
     processes = workers if config.distributed else 1
     if config.platform == "cpu":

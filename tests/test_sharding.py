@@ -371,6 +371,14 @@ def test_hybrid_mesh_plan_simulated():
             resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "fsdp": 1}, dcn_mesh=dcn), two)
     for dcn in ({"dp": 2}, {"dp": -1}):
         resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "fsdp": 1}, dcn_mesh=dcn), two)
+    # The mesh itself too, with dcn_mesh set (it was checked only without one): its size, and dcn's blocks.
+    for mesh, error in (({"dp": 3, "tp": -1}, "does not fit the 4 devices"), ({"dp": 2, "tp": 3}, "does not fit"),
+                        ({"dp": 1, "tp": 4}, r"gives dp=1, not divisible by dcn_mesh's dp=2")):
+        with pytest.raises(ValueError, match=error):
+            resolve_jax_config(rjt.JaxConfig(num_cpu_devices=2, mesh=mesh, dcn_mesh={"dp": 2}), two)
+    resolve_jax_config(rjt.JaxConfig(num_cpu_devices=2, mesh={"dp": 2, "tp": 2}, dcn_mesh={"dp": 2}), two)
+    with pytest.raises(ValueError, match=r"with distributed=False each worker's mesh spans only its own devices"):
+        resolve_jax_config(rjt.JaxConfig(distributed=False, mesh={"dp": -1}, dcn_mesh={"dp": 2}), two)
 
 
 # -- in-process layouts: HLO and numerics -----------------------------------------------------------------
