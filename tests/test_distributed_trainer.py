@@ -279,6 +279,15 @@ def test_driver_side_errors(ray_cluster, tokenizer_dir, tmp_path, caplog):
     with pytest.raises(ValueError, match="step=5 but no opt_state"):
         _, params = split_model(trainer.create_model(scaling_index=1))
         trainer.train(1, args, sentences(10), state={"params": params, "step": 5})
+    # The other way round: an opt_state 8 steps into its schedule with no step trained at rates past the warmup
+    # while the run logged the warmup's (a loop review).
+    import optax
+
+    adam = optax.adam(1e-3).init(params)
+    adam = (adam[0]._replace(count=np.asarray(8, np.int32)),) + tuple(adam[1:])
+    for given in ({"params": params, "opt_state": adam}, {"params": params, "opt_state": adam, "step": 3}):
+        with pytest.raises(ValueError, match=r"opt_state has taken 8 steps \(its optax count\), but its step is "):
+            trainer.train(1, args, sentences(10), state=given)
     # An HF model directory alone gives config and tokenizer (EasyDeL's meaning): said, since users mean to fine-tune.
     from ray_jax_train.models import save_pretrained
     from ray_jax_train.text import load_tokenizer

@@ -324,6 +324,20 @@ def initial_state(init: Dict[str, Any], config: LlamaConfig, mesh, *, new_state_
     return state
 
 
+def _check_opt_state_counts_the_step(opt_state, step: int) -> None:
+    """optax's `count`s (Adam's, the schedule's) are the steps the optimizer has taken: a state given with its
+    opt_state but no step (or another one) trained on at learning rates `count` steps into the schedule, warmup
+    skipped, while the run counted, and logged the rate, from `step` (a loop review)."""
+    counts = {int(x) for path, x in jax.tree_util.tree_leaves_with_path(opt_state)
+              if jax.tree_util.keystr(path).endswith(".count") and np.ndim(x) == 0}
+    if counts and counts != {step}:
+        raise ValueError(
+            f"The given state's opt_state has taken {max(counts)} steps (its optax count), but its step is {step}: "
+            "the learning-rate schedule would run that far ahead of the run's steps. Pass the state's own step with "
+            f"it (state={{'params': ..., 'opt_state': ..., 'step': {max(counts)}}}), or leave out opt_state to start "
+            "a fresh optimizer from these params.")
+
+
 def restore_params(path: str, config: LlamaConfig, mesh=None):
     """Parameters from a ray_jax_train checkpoint directory: only the params are read, so the checkpoint may come
     from a run with other optimizer settings (or an older optimizer state layout), and no optimizer is built.
@@ -371,6 +385,7 @@ def init_spec(*, state=None, model=None, checkpoint_path: Optional[str] = None) 
                 "opt_state to continue it, or leave out step to start a fresh optimizer from these params.")
         if state.get("opt_state") is not None:
             payload["opt_state"] = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["opt_state"])
+            _check_opt_state_counts_the_step(payload["opt_state"], payload["step"])
         return {"source": "state", "ref": ray.put(payload)}
     if model is not None:
         if not isinstance(model, nnx.Module):
