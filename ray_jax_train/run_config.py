@@ -1047,6 +1047,12 @@ def dump(config: ExperimentConfig) -> str:
         from_tokenizer -= set(config.model_fields_set_values())
     else:
         from_tokenizer = set()  # the directory's config.json holds them
+    searched = list((config.tune.param_space or {}) if config.tune is not None else {})
+    if any(key.startswith("model.") for key in searched):
+        # A search over model sizes derives each trial's head_dim and scaling from its own values: the model
+        # section stays as given, since values derived from the base config (or scaled by its scaling_index) would
+        # read back as another search (a config review).
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     model = config.llama_config().model_dump(mode="json")
     data["model"] = {"type": model.pop("model_type"), "init_from": config.model.init_from,
                      **{k: (None if k in from_tokenizer else v) for k, v in model.items()}}

@@ -1086,6 +1086,17 @@ def test_model_scaling_index_multiplies_the_widths_and_can_be_searched(tmp_path,
     data["tune"] = {"param_space": {"model.scaling_index": {"grid_search": [1, 2]}}}
     code, _, err = run(["config", "validate", write(tmp_path, data)], capsys)
     assert code == 0, err
+    # `config show` of a search over the model reads back as the same search: shown scaled (scaling_index 2, then
+    # each trial's index on top) or with the base's head_dim, a trial got another model (a config review).
+    from ray_jax_train.run_config import load_config
+
+    data["model"]["scaling_index"] = 2
+    searched = write(tmp_path, data)
+    code, out, err = run(["config", "show", searched], capsys)
+    assert code == 0, err
+    (tmp_path / "shown.yaml").write_text(out)
+    again, given = load_config(str(tmp_path / "shown.yaml")), load_config(searched)
+    assert again.model == given.model and again.tune == given.tune
 
 
 def test_a_bad_row_found_while_ray_data_tokenises_is_named_not_ray_s_retry_advice():
