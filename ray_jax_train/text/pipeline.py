@@ -47,7 +47,8 @@ class TokenizeAndPack:
     """Ray Data callable class: raw rows in, packed ``seq_len`` rows out (see ``packing.py``).
 
     ``tokenizer`` is a tokenizer, a local directory to load one from, or ``[ObjectRef]`` to one;
-    it is resolved once in ``__init__``, i.e. once per Ray Data actor.
+    it is resolved once in ``__init__``, i.e. once per Ray Data actor. Each batch is read by its own columns
+    (messages win over text), so ``kind`` is accepted and no longer used.
     """
 
     def __init__(self, tokenizer, seq_len: int, *, text_column: str = "text",
@@ -62,7 +63,6 @@ class TokenizeAndPack:
         self.seq_len = seq_len
         self.text_column = text_column
         self.messages_column = messages_column
-        self.kind = kind
         self.add_bos = add_bos
         self.max_position_embeddings = max_position_embeddings
         self.truncation = truncation
@@ -73,13 +73,7 @@ class TokenizeAndPack:
         # and chat files (or a source list of both) reads as text-only batches, chat-only ones, and batches joined
         # across the two with the other column null. A kind fixed from the first file dropped every conversation
         # of a joined batch, silently, and failed on a batch without its column (a text pipeline review).
-        columns = _batch_columns(batch)
-        if self.messages_column is not None and self.messages_column in columns:
-            kind = "messages"
-        elif self.text_column in columns:
-            kind = "text"
-        else:
-            kind = self.kind or resolve_column(columns, self.text_column, self.messages_column)[0]
+        kind, _ = resolve_column(_batch_columns(batch), self.text_column, self.messages_column)
         if kind == "messages":
             conversations = _column_values(batch, self.messages_column)
             docs, masks = encode_chats(self.tokenizer, [c for c in conversations if c])
@@ -167,7 +161,7 @@ def tokenize_and_pack(dataset, tokenizer, seq_len: int, *, text_column: str = "t
     # may run on nodes that do not have the driver's directory. The ref is nested in a list so Ray passes it as it
     # is (an actor's constructor args stay inlined, keeping restarts possible) instead of resolving it per call.
     handle = [ray.put(tok)]
-    settings = dict(text_column=text_column, messages_column=messages_column, kind=kind, add_bos=add_bos,
+    settings = dict(text_column=text_column, messages_column=messages_column, add_bos=add_bos,
                     max_position_embeddings=max_position_embeddings, truncation=truncation, pad_id=pad_id)
     if concurrency is None:
         return dataset.map_batches(_tokenize_and_pack_batch, batch_size=batch_size, batch_format="pyarrow",
