@@ -458,10 +458,11 @@ def resolve_jax_config(jax_config: Optional[JaxConfig], scaling_config, run_conf
 
 
 def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
-    """On CPU and GPU the slow network's granules are the worker processes, known here: a dcn_mesh of another size
-    failed in every worker once they had started. (TPU granules are slices, known only there.)"""
+    """The slow network's granules are the worker processes on CPU and GPU, and the slices Ray reserves on TPU (from
+    the ScalingConfig's topology), both known here: a dcn_mesh of another size failed in every worker once they had
+    started, on TPU after the slices were up."""
     workers = scaling_config.num_workers
-    if config.dcn_mesh is None or config.platform == "tpu" or not isinstance(workers, int) or workers < 1:
+    if config.dcn_mesh is None or not isinstance(workers, int) or workers < 1:
         return
     known = math.prod(v for v in config.dcn_mesh.values() if v != -1)
     inferred = any(v == -1 for v in config.dcn_mesh.values())
@@ -472,6 +473,17 @@ def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
                 "each worker's mesh spans only its own devices (one process): leave dcn_mesh out, or set "
                 "distributed=True for one mesh across the workers.")
         return
+    if config.platform == "tpu":
+        from ray_jax_train.tpu import num_slices
+
+        slices = num_slices(scaling_config)
+        if slices is not None and ((slices % known) if inferred else (known != slices)):
+            raise ValueError(
+                f"JaxConfig(dcn_mesh={dict(config.dcn_mesh)}) spans {known}{' x n' if inferred else ''} slices, but "
+                f"the run's {workers} workers on topology {scaling_config.topology} reserve {slices} "
+                f"slice{'s' * (slices > 1)} (dcn_mesh counts slices on TPU): make its sizes multiply to {slices}, or "
+                "set num_workers to the hosts of as many slices as dcn_mesh spans.")
+        return
     if (workers % known) if inferred else (known != workers):
         raise ValueError(
             f"JaxConfig(dcn_mesh={dict(config.dcn_mesh)}) spans {known}{' x n' if inferred else ''} processes, but "
@@ -481,13 +493,17 @@ def _check_dcn_spans_the_workers(config: JaxConfig, scaling_config) -> None:
 
 def _global_device_count(config: JaxConfig, scaling_config, run_config=None) -> Optional[int]:
     """The job's device count where the driver can know it: CPU devices, GPUs or TPU devices per worker, times the
-    workers (one worker's with distributed=False). None for multi-slice meshes, elastic worker counts, local mode
-    (num_workers=0), a TPU ScalingConfig without accelerator_type, and a CPU count only the driver's own
-    environment sets."""
+    workers (one worker's with distributed=False). None for elastic worker counts, local mode (num_workers=0), a
+    TPU ScalingConfig without accelerator_type (or, for a multi-slice dcn_mesh, without topology), and a CPU count
+    only the driver's own environment sets."""
     workers = scaling_config.num_workers
-    # A multi-slice TPU mesh's devices are known only there; on CPU and GPU dcn_mesh splits the same devices.
-    if not isinstance(workers, int) or workers < 1 or (config.dcn_mesh is not None and config.platform == "tpu"):
+    if not isinstance(workers, int) or workers < 1:
         return None
+    if config.dcn_mesh is not None and config.platform == "tpu":
+        from ray_jax_train.tpu import num_slices
+
+        if num_slices(scaling_config) is None:  # the slices dcn_mesh splits into are unknown: checked there
+            return None
     processes = workers if config.distributed else 1
     if config.platform == "cpu":
         per_worker = _cpu_devices_per_worker(config, run_config)

@@ -371,9 +371,10 @@ def _finished_already(config, resumes_from: Optional[str]) -> bool:
     def newest(path):
         return max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs), default=0.0)
 
-    if not (os.path.isfile(os.path.join(final, "config.json")) and glob.glob(os.path.join(final, "*.safetensors"))):
+    weights = glob.glob(os.path.join(final, "*.safetensors"))
+    if not (os.path.isfile(os.path.join(final, "config.json")) and weights):
         return False
-    if min(os.path.getmtime(f) for f in glob.glob(os.path.join(final, "*.safetensors"))) < newest(resumes_from):
+    if min(os.path.getmtime(f) for f in weights) < newest(resumes_from):
         return False
     print(f"ray-jax-train: run {config.run.name} is at step {at} already, at or past training.total_steps={total}, "
           f"and its final model is from that step: nothing to train, and Ray was not started.\n"
@@ -848,13 +849,15 @@ def _warn_if_trained_on(search_dir: str, best: dict) -> None:
 
 def cmd_export(args) -> int:
     from ray_jax_train.checkpoint import CheckpointCorruptError
-    from ray_jax_train.lm.export import export_checkpoint
+    from ray_jax_train.lm.export import OutputDirNotEmpty, export_checkpoint
 
     try:
         out = export_checkpoint(args.source, args.out_dir, model_config=args.model_config, tokenizer=args.tokenizer,
                                 dtype=args.dtype, overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as exc:  # another model's checkpoint, a bad dtype, a full out_dir: a message
-        raise UsageError(str(exc).replace("pass overwrite=True (CLI: --overwrite)", "pass --overwrite")) from None
+    except OutputDirNotEmpty as exc:
+        raise UsageError(str(OutputDirNotEmpty(exc.out_dir, fix="pass --overwrite"))) from None
+    except (ValueError, FileExistsError) as exc:  # another model's checkpoint, a bad dtype: a message
+        raise UsageError(str(exc)) from None
     except CheckpointCorruptError as exc:
         print(f"ray-jax-train: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

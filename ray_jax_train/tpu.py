@@ -44,6 +44,18 @@ def devices_per_worker(scaling_config) -> Optional[int]:
     return int(chips) * (2 if version in _TWO_DEVICES_PER_CHIP else 1)
 
 
+def num_slices(scaling_config) -> Optional[int]:
+    """The slices Ray reserves for the workers (its controller's own count), or None without a topology and a TPU
+    accelerator_type Ray knows: the unit a multi-slice `dcn_mesh` counts."""
+    workers, topology = scaling_config.num_workers, getattr(scaling_config, "topology", None)
+    if not isinstance(workers, int) or workers < 1 or not topology or tpu_version(scaling_config) is None:
+        return None
+    from ray.util.tpu import get_tpu_num_slices_for_workers
+
+    return get_tpu_num_slices_for_workers(topology=topology, accelerator_type=scaling_config.accelerator_type,
+                                          num_workers=workers, resources_per_worker=scaling_config.resources_per_worker)
+
+
 def host_share_problem(scaling_config, distributed: bool) -> Optional[str]:
     """Why several workers would share a TPU host, or None. One jax.distributed process per TPU host owns all of
     the host's chips; processes given a part of a host each start libtpu as a single-host slice of their own (Ray

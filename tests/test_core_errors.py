@@ -458,6 +458,20 @@ def test_tpu_jobs_are_checked_on_the_driver_from_the_scaling_config(monkeypatch)
     resolve_jax_config(rjt.JaxConfig(distributed=False), split)  # independent processes may share a host
     one = ScalingConfig(use_tpu=True, resources_per_worker={"TPU": 4})
     assert resolve_jax_config(None, one).platform == "tpu"  # one process on part of a host: Ray sets its bounds
+    # Multi-slice: 8 hosts of v6e-16 slices (4 hosts each) are 2 slices, the unit dcn_mesh counts on TPU. A dcn_mesh
+    # of another size, or a mesh its blocks do not divide, failed in every worker once both slices were up.
+    two = ScalingConfig(use_tpu=True, topology="4x4", accelerator_type="TPU-V6E", num_workers=8)
+    resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "tp": 4}, dcn_mesh={"dp": 2}), two)
+    resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "tp": 4}, dcn_mesh={"dp": -1}), two)
+    with pytest.raises(ValueError, match=r"dcn_mesh=\{'dp': 4\}\) spans 4 slices, but the run's 8 workers on "
+                                         r"topology 4x4 reserve 2 slices .* multiply to 2"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1, "tp": 4}, dcn_mesh={"dp": 4}), two)
+    with pytest.raises(ValueError, match=r"does not fit the 32 devices"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": 3, "tp": 4}, dcn_mesh={"dp": 2}), two)
+    with pytest.raises(ValueError, match=r"gives dp=1, not divisible by dcn_mesh's dp=2"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": 1, "tp": -1}, dcn_mesh={"dp": 2}), two)
+    with pytest.raises(ValueError, match=r"spans 2 processes, but with distributed=False"):
+        resolve_jax_config(rjt.JaxConfig(mesh={"dp": -1}, dcn_mesh={"dp": 2}, distributed=False), two)
 
 
 def test_tpu_compiler_flags_go_to_libtpu_and_a_tpu_that_fails_to_start_is_retried(monkeypatch):

@@ -372,7 +372,9 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
     rows = packed_rows()
     dataset = ray.data.from_items([{k: rows[k][i] for k in rows} for i in range(len(rows["input_ids"]))])
     # Shuffled too: the resumed run reads the same shuffled order (a seed per epoch and process) past its skip.
-    args = TrainingArguments(total_steps=4, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2, log_steps=1,
+    # Logged at step 3, saved at 2: the step-2 checkpoint carries step 1-2's metrics, so the resumed run's step-3
+    # record covers steps 1-3 as the first run's did (it covered step 3 alone, and steps 1-2 were in no record).
+    args = TrainingArguments(total_steps=4, batch_size=4, max_sequence_length=SEQ, learning_rate=1e-2, log_steps=3,
                              save_steps=2, progress_bar=False, resume_if_possible=True, save_final_model=False,
                              shuffle_buffer_size=16)
 
@@ -407,6 +409,11 @@ def test_a_finished_checkpoint_ray_never_registered_resumes_at_its_data_position
     read = np.concatenate([np.load(tmp_path / "first" / f"batch_{s:06d}.npz")["input_ids"] for s in range(1, 5)])
     assert not np.array_equal(read, np.asarray(rows["input_ids"][:16])), "the shuffle left the order as it was"
     assert first.metrics["step"] == 4
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "step" in r]
+    assert [r["step"] for r in records] == [3, 4, 3, 4], records
+    for key in ("loss", "loss_tokens", "grad_norm", "learning_rate"):
+        assert [r[key] for r in records[:2]] == [r[key] for r in records[2:]], (key, records)
     # Resumed at its end it trains nothing, and reported nothing: a Tune trial rerun so had no loss and no
     # checkpoint, and its search named another trial best (a Tune chaos review). Its last record is reported again.
     third = fit(tmp_path / "third")

@@ -1177,7 +1177,8 @@ class JaxCheckpointer:
 
         `metrics` (a dict, or a function returning one so a host sync happens only on save steps) are reported
         with the checkpoint, with `step` set to this one, so `CheckpointConfig(checkpoint_score_attribute=...)` can use
-        them. `data_state` is any JSON-serialisable position of the input pipeline. `wait=True` blocks until
+        them. `data_state` is any JSON-serialisable position of the input pipeline (or a function returning one,
+        called after `metrics`: what it holds may come from that sync). `wait=True` blocks until
         Ray has registered the checkpoint. `validation` goes to `ray.train.report`: True (or a
         `ray.train.ValidationTaskConfig`) runs the trainer's `validation_config` function on this checkpoint.
         An nnx Module or Optimizer in `state` is saved as its `nnx.state` (see `abstract_state`).
@@ -1196,6 +1197,8 @@ class JaxCheckpointer:
                            "checkpoints by it); the metrics' own 'step' (%r) is replaced. Report yours under "
                            "another name.", step, step, metrics["step"])
         metrics["step"] = step  # the checkpoint's own step, which restores order candidates by, not a logged one
+        if callable(data_state):
+            data_state = data_state()
         if self._last_saved_step == step:
             logger.info("Step %d is already checkpointed; not saving it twice.", step)
             if wait:

@@ -133,9 +133,17 @@ def _refuse_a_full_dir(out_dir: str, overwrite: bool) -> None:
     if info.type != pafs.FileType.Directory or overwrite:
         return
     if fs.get_file_info(pafs.FileSelector(path, recursive=False)):
-        raise FileExistsError(
-            f"{out_dir} holds files already (a model there would be replaced, and its other files mixed with this "
-            "one's): give export a new or empty directory, or pass overwrite=True (CLI: --overwrite).")
+        raise OutputDirNotEmpty(out_dir)
+
+
+class OutputDirNotEmpty(FileExistsError):
+    """An export's out_dir holds files already. Its fix is phrased per caller: `overwrite=True` in Python,
+    `--overwrite` on the CLI."""
+
+    def __init__(self, out_dir: str, fix: str = "pass overwrite=True (CLI: --overwrite)"):
+        self.out_dir = out_dir
+        super().__init__(f"{out_dir} holds files already (a model there would be replaced, and its other files mixed "
+                         f"with this one's): give export a new or empty directory, or {fix}.")
 
 
 def _refuse_writing_into_the_run(out_dir: str, checkpoint: str, run_dir: str) -> None:
@@ -148,10 +156,11 @@ def _refuse_writing_into_the_run(out_dir: str, checkpoint: str, run_dir: str) ->
         return path.rstrip("/") if is_uri(path) else os.path.realpath(path)
 
     out = norm(out_dir)
-    for place, what in ((norm(checkpoint), "the checkpoint it exports"), (norm(run_dir), "the run's directory"),
-                        (norm(f"{run_dir.rstrip('/')}/{MODEL_FILES}"), f"the run's {MODEL_FILES}/")):
-        inside = out == place or (what == "the checkpoint it exports" and out.startswith(place + "/"))
-        if inside:
+    # Only the checkpoint is refused below as well: a run directory's other subdirectories (final_model/) are fine.
+    for place, what, nor_below in ((norm(checkpoint), "the checkpoint it exports", True),
+                                   (norm(run_dir), "the run's directory", False),
+                                   (norm(f"{run_dir.rstrip('/')}/{MODEL_FILES}"), f"the run's {MODEL_FILES}/", False)):
+        if out == place or (nor_below and out.startswith(place + "/")):
             raise ValueError(f"{out_dir} is {what if out == place else 'inside ' + what}: an export there mixes a "
                              "Hugging Face model's files into the run's own. Give export a directory outside the "
                              f"run's checkpoints, e.g. {norm(run_dir)}/final_model or a new one.")

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 
@@ -41,6 +41,8 @@ DEFAULT_COLUMNS = ("input_ids", "targets", "loss_mask", "segment_ids", "position
 # Facts about start-up that only the first logged record of an attempt carries.
 STARTUP_KEYS = ("startup_s", "compilation_cache_hits", "compilation_cache_misses", "state_mb_per_device",
                 "start_step")
+# A checkpoint's data_state key for the per-step metrics of the steps it saved since the last log step.
+WINDOW_KEY = "metrics_since_log"
 # Every key a record (metrics.jsonl, ray.train.report) can carry; eval_* only on eval steps. A Tune metric must
 # be one of these (checked on the driver).
 REPORTED_KEYS = ("step", "epoch", "loss", "perplexity", "grad_norm", "loss_tokens", "learning_rate", "tokens_per_s",
@@ -167,6 +169,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     data_pos = {"epoch": 0, "batch": 0}
     resumed_at, resumed_from, state = None, None, None
+    # The steps a checkpoint saved between two log steps, on the host: its resume's first record covers them too.
+    carried: Optional[Dict[str, List[float]]] = None
     if checkpointer is not None and not args.resume_if_possible:
         checkpointer._restore_called = True  # starting over is what was asked for: no "restore() not called" warning
     if checkpointer is not None and args.resume_if_possible:  # also cleans up after a crashed first save
@@ -184,6 +188,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             if hyperparams is not None:
                 restored.state["opt_state"] = keep_hyperparameters(restored.state["opt_state"], fresh)
             state, data_pos = restored.state, dict(restored.data_state or data_pos)
+            carried = data_pos.pop(WINDOW_KEY, None)
             resumed_at, resumed_from = restored.step, restored.path
             if first_epoch is not None:
                 # Opened at the data's start: has_resume_point said no on every process, so all reopen here alike.
@@ -263,12 +268,26 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     def checkpoint_metrics() -> Dict[str, float]:
         """Called only when a save starts: the steps since the last log step, then the state itself, are checked
         first, so no state that went NaN is saved (and rotates good checkpoints out)."""
+        nonlocal window_at_save
         finish_log_ahead()  # the last log step's record first: a save is a sync anyway
         jax.block_until_ready(state)  # the finite check below is a program with collectives: not beside the step
-        if pending:
-            _stop_if_not_finite(_fetch(pending), step, checkpointer)
+        fetched = _fetch(pending) if pending else None
+        if fetched is not None:
+            _stop_if_not_finite(fetched, step, checkpointer)
         _stop_if_state_not_finite(state, step, checkpointer)
+        window_at_save = _joined_window(carried, fetched)
         return {**last, "step": step}  # the last log step's metrics, at the step saved
+
+    window_at_save: Optional[Dict[str, np.ndarray]] = None
+
+    def checkpoint_data_state() -> Dict[str, Any]:
+        """Called after checkpoint_metrics: the data position, and the steps trained since the last log step.
+        Without them a resume's first record covered only the steps after the checkpoint, and the steps between
+        the last log step and the save were in no record."""
+        data_state = {**position, "batch_size": args.batch_size}
+        if window_at_save is not None:
+            data_state[WINDOW_KEY] = {k: np.asarray(v).tolist() for k, v in window_at_save.items()}
+        return data_state
 
     position = resume_position(data_pos, args.batch_size, warn=rank0)
     loss_tokens_seen, startup_step = 0.0, step
@@ -280,10 +299,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     log_ahead: Optional[Dict[str, Any]] = None
 
     def begin_log(at: int, epoch: int, due_eval: bool) -> Dict[str, Any]:
-        nonlocal pending, startup
+        nonlocal pending, startup, carried
         entry = {"record": {"step": at, "epoch": epoch, **startup}, "due_eval": due_eval,
-                 "stacked": _to_host_soon(pending) if pending else None}
-        startup, pending = {}, []
+                 "stacked": _to_host_soon(pending) if pending else None, "carried": carried}
+        startup, pending, carried = {}, [], None
         return entry
 
     def finish_log(entry: Dict[str, Any]) -> None:
@@ -292,6 +311,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if entry["stacked"] is not None:
             stacked = jax.device_get(entry["stacked"])
             _stop_if_not_finite(stacked, at, checkpointer)
+            stacked = _joined_window(entry["carried"], stacked)
             record.update(_summarise(stacked, at, schedule))
             loss_tokens_seen += record["loss_tokens"]
             # The same global sum on every process: all raise together. Not at the first log step: data sorted
@@ -345,7 +365,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                         finish_log_ahead()
                 if checkpointer is not None:
                     if checkpointer.maybe_save(step, state, metrics=checkpoint_metrics,
-                                               data_state={**position, "batch_size": args.batch_size},
+                                               data_state=checkpoint_data_state,
                                                final=step >= total_steps):
                         throughput.restart_if_just_read()
                 if step >= total_steps:
@@ -523,10 +543,22 @@ def _write_unfinished(entry: Dict[str, Any], metrics_file, schedule) -> None:
         if entry["stacked"] is not None:
             if not all(x.is_ready() for x in entry["stacked"].values()):
                 return
-            record.update(_summarise(jax.device_get(entry["stacked"]), record["step"], schedule))
+            stacked = _joined_window(entry.get("carried"), jax.device_get(entry["stacked"]))
+            record.update(_summarise(stacked, record["step"], schedule))
         metrics_file.append(json.dumps(record))
     except Exception as exc:  # noqa: BLE001 - the error that stopped the run is the one to raise
         logger.debug("Could not write step %s's record after the failure: %r", record.get("step"), exc)
+
+
+def _joined_window(carried: Optional[Mapping[str, Any]], stacked: Optional[Dict[str, np.ndarray]]):
+    """A log window's per-step metrics on the host: those a checkpoint carried over a resume, then this attempt's."""
+    if not carried:
+        return stacked
+    if stacked is None:
+        return {k: np.asarray(v, dtype=np.float32) for k, v in carried.items()}
+    if set(carried) != set(stacked):  # another loop's metrics: the steps since the resume alone, as before
+        return stacked
+    return {k: np.concatenate([np.asarray(carried[k], dtype=v.dtype), v]) for k, v in stacked.items()}
 
 
 def _to_host_soon(pending: List[Dict[str, Any]]) -> Dict[str, Any]:
